@@ -1,0 +1,34 @@
+"""The `megatron-lora` command. Each subcommand lives in its own module with a
+`register(subparsers)` function that adds its parser and sets `func`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+# Modules that provide subcommands, in the order `--help` lists them.
+COMMAND_MODULES = [
+    "megatron_lora.cli.parity",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-lora",
+        description="LoRA fine-tuning of Mixture-of-Experts models with megatron-core.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

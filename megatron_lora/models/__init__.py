@@ -1,0 +1,1 @@
+"""Model definitions: megatron-core specs and builders for the model families we support."""

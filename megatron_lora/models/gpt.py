@@ -1,0 +1,158 @@
+"""Mixtral-family GPT models in megatron-core: sizes, TransformerConfig, and the model builder."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_lora.runtime.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that define a Mixtral-family decoder (names as in megatron-core)."""
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    max_position_embeddings: int = 4096
+    rotary_base: float = 1e6
+    norm_epsilon: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                    "num_attention_heads", "num_query_groups", "max_position_embeddings")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"ModelShape.hidden_size={self.hidden_size} is not a multiple of "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"ModelShape.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(
+                f"ModelShape.moe_router_topk={self.moe_router_topk} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+
+    def layout_sizes(self) -> dict:
+        """The sizes ParallelLayout.validate checks against."""
+        return dict(
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            num_experts=self.num_experts or 0,
+            ffn_hidden_size=None if self.num_experts else self.ffn_hidden_size,
+            moe_ffn_hidden_size=self.ffn_hidden_size if self.num_experts else None,
+        )
+
+
+def tiny_mixtral_shape(**overrides) -> ModelShape:
+    """A Mixtral-shaped model small enough for multi-rank CPU tests (GQA, 4 experts, top-2)."""
+    base = dict(
+        vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers=4,
+        num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
+        max_position_embeddings=128, rotary_base=1e6, norm_epsilon=1e-5,
+    )
+    base.update(overrides)
+    return ModelShape(**base)
+
+
+def transformer_config(
+    shape: ModelShape,
+    layout: ParallelLayout,
+    *,
+    dtype: torch.dtype = torch.float32,
+    dispatcher: str = "allgather",
+    init_method_std: float = 0.02,
+    **overrides,
+) -> TransformerConfig:
+    """megatron-core TransformerConfig for `shape` at `layout` (a fresh object every call)."""
+    kwargs = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        kv_channels=shape.hidden_size // shape.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=init_method_std,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        sequence_parallel=layout.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        # Losses are token sums; megatron_lora.training normalises by the global token count.
+        calculate_per_token_loss=True,
+    )
+    if shape.num_experts:
+        kwargs.update(
+            num_moe_experts=shape.num_experts,
+            moe_router_topk=shape.moe_router_topk,
+            moe_ffn_hidden_size=shape.ffn_hidden_size,
+            moe_token_dispatcher_type=dispatcher,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(shape: ModelShape, config: TransformerConfig) -> GPTModel:
+    """This pipeline stage's GPTModel, with the local (CPU-capable) spec and RoPE."""
+    from megatron_lora.models.specs import local_block_spec
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=local_block_spec(config, pp_rank=pp_rank),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rotary_base),
+    )
+    return model
+
+
+def shape_dict(shape: ModelShape) -> dict:
+    return asdict(shape)

@@ -1,0 +1,24 @@
+"""The only code in the package that knows how to start megatron-core (and about CUDA)."""
+
+from megatron_lora.runtime.distributed import (
+    current_layout,
+    default_backend,
+    destroy,
+    device,
+    init_process_group,
+    initialize,
+    shutdown,
+)
+from megatron_lora.runtime.layout import LayoutError, ParallelLayout
+
+__all__ = [
+    "LayoutError",
+    "ParallelLayout",
+    "current_layout",
+    "default_backend",
+    "destroy",
+    "device",
+    "init_process_group",
+    "initialize",
+    "shutdown",
+]

@@ -1,0 +1,225 @@
+"""Compatibility layer that lets megatron-core 0.16 run on machines without CUDA (gloo backend).
+
+megatron-core assumes CUDA in a handful of places. Each fix below names the megatron-core call
+site it answers and is installed only by `install()` when `torch.cuda.is_available()` is False; on
+a GPU machine none of this code runs. This module (with the rest of `megatron_lora/runtime/`) is the
+only place in the package that knows about CUDA-only calls.
+
+Fixes (see `install()`):
+  current_device    torch.cuda.current_device() used as a device everywhere (rotary_pos_embedding,
+                    tensor_parallel.mappings, global memory buffer, DDP buffers, router)
+  device_mode       hard-coded device="cuda" / .cuda() / .to("cuda") (transformer/utils.py causal
+                    mask, pipeline_parallel/schedules.py total_num_tokens, tensor_parallel/data.py)
+  streams           torch.cuda.Stream / current_stream / stream() (alltoall token dispatcher's
+                    cuda_dtoh_stream, shared experts, DDP communication stream)
+  rng_tracker       tensor_parallel.random.CudaRNGStatesTracker (model_parallel_cuda_manual_seed,
+                    get_cuda_rng_tracker().fork() around init and dropout)
+  router_gemm       moe_utils.router_gating_linear reads te_general_gemm, undefined without TE
+  alltoall_splits   token_dispatcher's all_to_all gets numpy split sizes; gloo wants lists
+  uneven_gather     mappings._gather_along_first_dim / _reduce_scatter_along_first_dim with split
+                    sizes (alltoall dispatcher under TP+SP) use list collectives gloo refuses
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED: Dict[str, bool] = {}
+_CPU = torch.device("cpu")
+
+
+def cuda_usable() -> bool:
+    return torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------------
+# device_mode: rewrite hard-coded CUDA devices to CPU.
+# --------------------------------------------------------------------------------------------
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, int):
+        return True  # a bare index means a CUDA ordinal in torch
+    return False
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Maps any CUDA `device=` argument, `Tensor.cuda()` and `Tensor.to("cuda")` to the CPU.
+
+    Answers: transformer/utils.py `get_default_causal_mask` (device="cuda"),
+    pipeline_parallel/schedules.py `total_num_tokens` (device="cuda"),
+    tensor_parallel/data.py `broadcast_data` (.cuda()).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=_CPU)
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# streams: a stream object that does nothing (CPU work is synchronous).
+# --------------------------------------------------------------------------------------------
+class NullStream:
+    """Stands in for torch.cuda.Stream / Event on CPU: every method is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+_NULL_STREAM = NullStream()
+
+
+# --------------------------------------------------------------------------------------------
+# alltoall_splits / uneven_gather: gloo-safe collectives.
+# --------------------------------------------------------------------------------------------
+def _as_split_list(splits):
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        return [int(x) for x in splits.tolist()]
+    return [int(x) for x in splits]
+
+
+def _gloo_safe_gather_along_first_dim(original):
+    """Uneven all-gather as: pad every piece to the largest split, gather evenly, trim."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        splits = _as_split_list(output_split_sizes)
+        largest = max(splits)
+        padded = input_.new_zeros([largest] + list(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = input_.new_empty([largest * len(splits)] + list(input_.shape[1:]))
+        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        pieces = [gathered[i * largest : i * largest + n] for i, n in enumerate(splits)]
+        return torch.cat(pieces, dim=0)
+
+    return gather
+
+
+def _gloo_safe_reduce_scatter_along_first_dim(original):
+    """Uneven reduce-scatter as: all-reduce the whole tensor, keep this rank's split."""
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        splits = _as_split_list(input_split_sizes)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(splits[: group.rank()])
+        return total[start : start + splits[group.rank()]].contiguous()
+
+    return reduce_scatter
+
+
+# --------------------------------------------------------------------------------------------
+# install
+# --------------------------------------------------------------------------------------------
+def install() -> Dict[str, bool]:
+    """Install every CPU fix once per process; a no-op (returns {}) when CUDA is usable."""
+    if cuda_usable():
+        return {}
+    if _INSTALLED:
+        return dict(_INSTALLED)
+
+    # current_device: megatron passes torch.cuda.current_device() as a `device=` argument.
+    torch.cuda.current_device = lambda: _CPU
+    _INSTALLED["current_device"] = True
+
+    # streams
+    torch.cuda.Stream = NullStream
+    torch.cuda.Event = NullStream
+    torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
+    torch.cuda.default_stream = lambda *a, **k: _NULL_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    _INSTALLED["streams"] = True
+
+    # device_mode: entered for the life of the process.
+    mode = CpuDeviceMode()
+    mode.__enter__()
+    _INSTALLED["device_mode"] = True
+
+    # rng_tracker
+    from megatron_lora.runtime import rng
+
+    rng.install_cpu_rng_tracker()
+    _INSTALLED["rng_tracker"] = True
+
+    # router_gemm
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _INSTALLED["router_gemm"] = True
+
+    # alltoall_splits
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original_all_to_all = token_dispatcher.all_to_all
+
+    def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
+        return original_all_to_all(
+            group, input_, _as_split_list(output_split_sizes), _as_split_list(input_split_sizes)
+        )
+
+    token_dispatcher.all_to_all = all_to_all
+    _INSTALLED["alltoall_splits"] = True
+
+    # uneven_gather
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _gloo_safe_gather_along_first_dim(
+        mappings._gather_along_first_dim
+    )
+    mappings._reduce_scatter_along_first_dim = _gloo_safe_reduce_scatter_along_first_dim(
+        mappings._reduce_scatter_along_first_dim
+    )
+    _INSTALLED["uneven_gather"] = True
+    return dict(_INSTALLED)
+
+
+def installed() -> Dict[str, bool]:
+    return dict(_INSTALLED)

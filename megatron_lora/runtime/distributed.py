@@ -1,0 +1,106 @@
+"""Start and stop megatron-core on the current processes.
+
+`initialize(layout, ...)` is the one way the package starts megatron-core: it starts
+torch.distributed if needed (NCCL when CUDA is usable, gloo otherwise), validates the layout on
+every rank before any collective, builds megatron's parallel groups and seeds the RNG streams.
+`destroy()` undoes the megatron part so another layout can be initialised in the same processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lora.runtime import cpu_compat
+from megatron_lora.runtime.layout import ParallelLayout
+
+_CURRENT: Optional[ParallelLayout] = None
+
+
+def default_backend() -> str:
+    return "nccl" if cpu_compat.cuda_usable() else "gloo"
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its CUDA device on a GPU machine, else the CPU."""
+    if cpu_compat.cuda_usable():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_process_group(
+    backend: Optional[str] = None, timeout_s: float = 600.0, **init_kwargs
+) -> None:
+    """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_*)."""
+    cpu_compat.install()
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs
+    )
+
+
+def initialize(
+    layout: ParallelLayout = ParallelLayout(),
+    *,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+    model_sizes: Optional[dict] = None,
+) -> ParallelLayout:
+    """Initialise megatron-core's parallel state for `layout` on the running world.
+
+    Raises LayoutError (a ValueError) on every rank, before any collective, when the layout does
+    not fit the world size or the model sizes given in `model_sizes` (keys as in
+    `ParallelLayout.problems`).
+    """
+    from megatron.core import parallel_state
+
+    global _CURRENT
+    cpu_compat.install()
+    if not dist.is_initialized():
+        init_process_group(backend)
+    world_size = dist.get_world_size()
+    layout.validate(world_size, **(model_sizes or {}))
+    if _CURRENT is not None or parallel_state.model_parallel_is_initialized():
+        destroy()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
+    from megatron_lora.runtime.rng import seed_everything
+
+    seed_everything(seed)
+    _CURRENT = layout
+    return layout
+
+
+def current_layout() -> Optional[ParallelLayout]:
+    return _CURRENT
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel state and global buffers; torch.distributed stays up."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    global _CURRENT
+    parallel_state.destroy_model_parallel()
+    destroy_num_microbatches_calculator()
+    _CURRENT = None
+
+
+def shutdown() -> None:
+    """destroy() and then stop torch.distributed."""
+    destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()

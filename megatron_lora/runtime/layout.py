@@ -1,0 +1,135 @@
+"""Parallel layouts: what a (tp, pp, ep, etp, sp) choice means and whether it fits a world.
+
+Validation is pure Python on integers that every rank already knows, so every rank reaches the
+same verdict without talking to the others: a bad layout raises the same error on every rank
+before the first collective, and nobody is left waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+class LayoutError(ValueError):
+    """A parallel layout that does not fit the world or the model; lists every problem found."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = list(problems)
+        super().__init__("invalid parallel layout:\n  - " + "\n  - ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a model is split over ranks. Field names follow Megatron-LM's flags.
+
+    tp: tensor-model-parallel size (dense layers).
+    pp: pipeline-model-parallel size.
+    ep: expert-model-parallel size.
+    etp: expert-tensor-parallel size (None: same as tp, megatron's default).
+    sp: sequence parallelism (needs tp > 1 to mean anything).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    sp: bool = False
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError([f"{name} must be a positive integer, got {value!r}"])
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise LayoutError([f"etp must be a positive integer or None, got {self.etp!r}"])
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+    def problems(
+        self,
+        world_size: int,
+        *,
+        num_layers: Optional[int] = None,
+        num_attention_heads: Optional[int] = None,
+        num_query_groups: Optional[int] = None,
+        num_experts: Optional[int] = None,  # 0: a dense model; None: not checked
+        ffn_hidden_size: Optional[int] = None,
+        moe_ffn_hidden_size: Optional[int] = None,
+    ) -> List[str]:
+        """Every reason this layout cannot run on `world_size` ranks for a model of these sizes."""
+        out: List[str] = []
+        mp = self.tp * self.pp
+        if world_size % mp:
+            out.append(
+                f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp} = {mp}"
+            )
+        expert_mp = self.ep * self.expert_tp * self.pp
+        if world_size % expert_mp:
+            out.append(
+                f"world size {world_size} is not a multiple of ep*etp*pp = "
+                f"{self.ep}*{self.expert_tp}*{self.pp} = {expert_mp}"
+            )
+        if self.sp and self.tp == 1:
+            out.append("sequence parallelism (sp) needs tp > 1")
+        if num_layers is not None and num_layers % self.pp:
+            out.append(f"pp={self.pp} does not divide num_layers={num_layers}")
+        if num_attention_heads is not None and num_attention_heads % self.tp:
+            out.append(f"tp={self.tp} does not divide num_attention_heads={num_attention_heads}")
+        if num_query_groups is not None and num_query_groups % self.tp:
+            out.append(f"tp={self.tp} does not divide num_query_groups={num_query_groups}")
+        if num_experts == 0 and self.ep > 1:
+            out.append(f"ep={self.ep} needs a model with experts (this model has none)")
+        elif num_experts:
+            if num_experts % self.ep:
+                out.append(f"ep={self.ep} does not divide num_experts={num_experts}")
+            if self.tp > 1 and not self.sp:
+                out.append("MoE with tp > 1 needs sequence parallelism (sp=True) in megatron-core")
+        if ffn_hidden_size is not None and ffn_hidden_size % self.tp:
+            out.append(f"tp={self.tp} does not divide ffn_hidden_size={ffn_hidden_size}")
+        if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % self.expert_tp:
+            out.append(
+                f"etp={self.expert_tp} does not divide moe_ffn_hidden_size={moe_ffn_hidden_size}"
+            )
+        return out
+
+    def validate(self, world_size: int, **model_sizes) -> None:
+        """Raise LayoutError listing every problem; identical on every rank, no communication."""
+        problems = self.problems(world_size, **model_sizes)
+        if problems:
+            raise LayoutError(problems)
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelLayout":
+        """Parse names like "TP2xEP2+SP", "PP2xEP2", "TP2xPP2xEP2xETP1+SP", "TP1"."""
+        import re
+
+        body, _, suffix = text.strip().upper().partition("+")
+        if suffix not in ("", "SP"):
+            raise LayoutError([f"cannot parse layout {text!r}: unknown suffix +{suffix}"])
+        sizes = {}
+        for part in body.split("X"):
+            m = re.fullmatch(r"(ETP|TP|PP|EP)(\d+)", part)
+            if not m:
+                raise LayoutError(
+                    [f"cannot parse layout {text!r}: expected parts like TP2, PP2, EP2, ETP1 "
+                     f"joined by 'x', optionally ending in +SP"]
+                )
+            sizes[m.group(1).lower()] = int(m.group(2))
+        return cls(sp=suffix == "SP", **sizes)
+
+    def describe(self) -> str:
+        sizes = [("TP", self.tp), ("PP", self.pp), ("EP", self.ep)]
+        if self.etp is not None and self.etp != self.tp:
+            sizes.append(("ETP", self.etp))
+        name = "x".join(f"{k}{v}" for k, v in sizes if v > 1) or "TP1"
+        return name + ("+SP" if self.sp else "")

@@ -1,0 +1,1 @@
+"""Training: forward/backward steps over megatron-core's pipeline schedules."""

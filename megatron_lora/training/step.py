@@ -1,0 +1,115 @@
+"""One forward/backward pass of a GPT model over a batch, through megatron-core's schedules.
+
+The batch is global ([B, S] token ids, identical on every rank); each data-parallel rank takes its
+contiguous slice of B, and the slice is split into micro-batches that megatron's schedule
+(no-pipelining, or 1F1B under PP) feeds through the model. The loss is the mean over every
+unmasked token of the global batch, whatever the layout.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def data_parallel_slice(batch: torch.Tensor) -> torch.Tensor:
+    """This DP rank's contiguous share of a global batch [B, ...] (B divisible by DP)."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    if batch.shape[0] % dp:
+        raise ValueError(f"global batch {batch.shape[0]} is not divisible by data parallel size {dp}")
+    per = batch.shape[0] // dp
+    return batch[rank * per : (rank + 1) * per]
+
+
+def _loss_func(loss_mask: torch.Tensor, global_tokens: float, output_tensor: torch.Tensor):
+    # Backward starts from (sum of this micro-batch's token losses) / (tokens in the global
+    # batch): summed over micro-batches and DP ranks that is the gradient of the global mean.
+    # calculate_per_token_loss=True stops the schedule from dividing by num_microbatches again.
+    mask = loss_mask.float()
+    total = (output_tensor.float() * mask).sum()
+    count = mask.sum()
+    report = {"loss_sum_and_count": torch.stack([total.detach(), count])}
+    return total / global_tokens, count.to(torch.int), report
+
+
+def _forward_step(global_tokens: float, data_iterator, model):
+    tokens, labels, loss_mask = next(data_iterator)
+    seq = tokens.shape[1]
+    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, attention_mask=None, labels=labels)
+    return output, partial(_loss_func, loss_mask, global_tokens)
+
+
+def forward_backward(
+    model_chunks: Sequence[torch.nn.Module],
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: Optional[torch.Tensor] = None,
+    *,
+    micro_batch_size: int = 1,
+    forward_only: bool = False,
+) -> torch.Tensor:
+    """Run forward (and backward) over this DP rank's share of the global batch.
+
+    tokens, labels, loss_mask: [B, S], the global batch, replicated on every rank.
+    Gradients accumulate into `.grad` (or megatron DDP's main_grad) scaled so that they are the
+    gradient of (sum of this DP rank's token losses) / (tokens in the global batch); summing them
+    over DP gives the gradient of the global mean loss.
+    Returns the global mean token loss (a float32 scalar), identical on every rank.
+    """
+    if loss_mask is None:
+        loss_mask = torch.ones_like(tokens, dtype=torch.float32)
+    tokens, labels, loss_mask = (data_parallel_slice(t) for t in (tokens, labels, loss_mask))
+    if tokens.shape[0] % micro_batch_size:
+        raise ValueError(
+            f"per-DP-rank batch {tokens.shape[0]} is not divisible by micro_batch_size "
+            f"{micro_batch_size}"
+        )
+    num_micro = tokens.shape[0] // micro_batch_size
+    micro = [
+        (tokens[i : i + micro_batch_size], labels[i : i + micro_batch_size],
+         loss_mask[i : i + micro_batch_size])
+        for i in range(0, tokens.shape[0], micro_batch_size)
+    ]
+    config = model_chunks[0].config
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "forward_backward needs TransformerConfig.calculate_per_token_loss=True "
+            "(megatron_lora.models.gpt.transformer_config sets it)"
+        )
+    global_tokens = _global_count(loss_mask)
+    forward_backward_func = get_forward_backward_func()
+    reduced = forward_backward_func(
+        forward_step_func=partial(_forward_step, global_tokens),
+        data_iterator=iter(micro),
+        model=list(model_chunks),
+        num_microbatches=num_micro,
+        seq_length=tokens.shape[1],
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    return _global_mean(reduced)
+
+
+def _global_count(local_mask: torch.Tensor) -> float:
+    counts = torch.tensor([float(local_mask.sum())])
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    return float(counts.item())
+
+
+def _global_mean(reduced: List[dict]) -> torch.Tensor:
+    """Sum (loss, count) over micro-batches, then over DP; broadcast from the last PP stage."""
+    pair = torch.zeros(2, dtype=torch.float32)
+    if parallel_state.is_pipeline_last_stage():
+        for item in reduced:
+            pair += item["loss_sum_and_count"].float()
+        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(pair, group=parallel_state.get_pipeline_model_parallel_group())
+    return pair[0] / pair[1]

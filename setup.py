@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-lora",
+    version="0.1.0",
+    description="LoRA fine-tuning of Mixture-of-Experts models with megatron-core under "
+    "expert, pipeline, tensor and sequence parallelism",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_lora", "megatron_lora.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.17",
+        "safetensors",
+        "numpy",
+        "psutil",
+        "tqdm",
+        "tokenizers",
+    ],
+    extras_require={
+        # NVIDIA apex is built from source; the PyPI package named "apex" is unrelated.
+        "te": ["transformer-engine[pytorch]"],
+        "hf": ["transformers>=4.46", "peft>=0.13"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megatron-lora=megatron_lora.cli:main"]},
+)

@@ -15,7 +15,8 @@ Fixes (see `install()`):
   rng_tracker       tensor_parallel.random.CudaRNGStatesTracker (model_parallel_cuda_manual_seed,
                     get_cuda_rng_tracker().fork() around init and dropout)
   router_gemm       moe_utils.router_gating_linear reads te_general_gemm, undefined without TE
-  alltoall_splits   token_dispatcher's all_to_all gets numpy split sizes; gloo wants lists
+  alltoall_splits   token_dispatcher's all_to_all gets its split sizes as CPU tensors (on a GPU
+                    they are moved to host numpy arrays first); all_to_all_single wants lists
   uneven_gather     mappings._gather_along_first_dim / _reduce_scatter_along_first_dim with split
                     sizes (alltoall dispatcher under TP+SP) use list collectives gloo refuses
 """
@@ -30,6 +31,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _INSTALLED: Dict[str, bool] = {}
+# What each fix replaced, so tests can show that the original really fails on CPU.
+ORIGINALS: Dict[str, object] = {}
 _CPU = torch.device("cpu")
 
 
@@ -165,6 +168,7 @@ def install() -> Dict[str, bool]:
         return dict(_INSTALLED)
 
     # current_device: megatron passes torch.cuda.current_device() as a `device=` argument.
+    ORIGINALS["current_device"] = torch.cuda.current_device
     torch.cuda.current_device = lambda: _CPU
     _INSTALLED["current_device"] = True
 
@@ -199,6 +203,7 @@ def install() -> Dict[str, bool]:
     from megatron.core.transformer.moe import token_dispatcher
 
     original_all_to_all = token_dispatcher.all_to_all
+    ORIGINALS["alltoall_splits"] = original_all_to_all
 
     def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
         return original_all_to_all(
@@ -211,6 +216,7 @@ def install() -> Dict[str, bool]:
     # uneven_gather
     from megatron.core.tensor_parallel import mappings
 
+    ORIGINALS["uneven_gather"] = mappings._gather_along_first_dim
     mappings._gather_along_first_dim = _gloo_safe_gather_along_first_dim(
         mappings._gather_along_first_dim
     )

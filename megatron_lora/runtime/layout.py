@@ -128,8 +128,8 @@ class ParallelLayout:
         return cls(sp=suffix == "SP", **sizes)
 
     def describe(self) -> str:
-        sizes = [("TP", self.tp), ("PP", self.pp), ("EP", self.ep)]
-        if self.etp is not None and self.etp != self.tp:
-            sizes.append(("ETP", self.etp))
-        name = "x".join(f"{k}{v}" for k, v in sizes if v > 1) or "TP1"
+        parts = [f"{k}{v}" for k, v in (("TP", self.tp), ("PP", self.pp), ("EP", self.ep)) if v > 1]
+        if self.etp is not None:  # explicit, even when 1: ETP1 under TP2 is a real choice
+            parts.append(f"ETP{self.etp}")
+        name = "x".join(parts) or "TP1"
         return name + ("+SP" if self.sp else "")

@@ -53,7 +53,8 @@ def gathered_embedding_grad(model: torch.nn.Module) -> Optional[torch.Tensor]:
     return torch.cat(parts, dim=0)
 
 
-def _run(model, shape, spec):
+def loss_and_embedding_grad(model, shape: ModelShape, spec: ParityBatch = ParityBatch()):
+    """Forward+backward of the parity batch; (global mean loss, gathered embedding grad or None)."""
     tokens, labels = make_batch(shape, spec)
     loss = forward_backward([model], tokens, labels, micro_batch_size=spec.micro_batch_size)
     return loss, gathered_embedding_grad(model)
@@ -66,7 +67,7 @@ def run_reference(directory: str, shape: ModelShape, spec: ParityBatch = ParityB
     layout = ParallelLayout()
     model = build_gpt_model(shape, transformer_config(shape, layout))
     save_weights(model, os.path.join(directory, "weights"))
-    loss, grad = _run(model, shape, spec)
+    loss, grad = loss_and_embedding_grad(model, shape, spec)
     save_file({"loss": loss.reshape(1), "embedding_grad": grad},
               os.path.join(directory, "reference.safetensors"))
 
@@ -85,4 +86,4 @@ def run_layout(
     """Load the reference weights at `layout` and return (loss, gathered embedding grad or None)."""
     model = build_gpt_model(shape, transformer_config(shape, layout, dispatcher=dispatcher))
     load_weights(model, os.path.join(directory, "weights"))
-    return _run(model, shape, spec)
+    return loss_and_embedding_grad(model, shape, spec)

@@ -6,7 +6,8 @@
         ...  # runs on each of the 4 ranks, megatron initialised for `layout`
 
 - The body runs on every rank; a failure on any rank fails the test with that rank's traceback.
-- If the parameters include `layout` (a ParallelLayout), megatron-core is initialised for it before
+- If the parameters include `layout` (a ParallelLayout), or the body declares one as a default
+  (`def test_x(layout=ParallelLayout(tp=2, sp=True))`), megatron-core is initialised for it before
   the body and torn down after it, so the next test can use another layout in the same processes.
 - `world_size` may be an int or a function of the test's parameters.
 - Each test has a timeout (default 120 s, `timeout=`); a hung world is killed after its stuck ranks'

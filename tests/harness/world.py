@@ -87,6 +87,12 @@ class World:
                     f"ranks not ready: {sorted(set(range(self.size)) - ready)}"
                 )
             task_id, rep = report
+            if task_id == "dead":
+                self.kill()
+                raise WorldError(
+                    f"a rank of the world of {self.size} exited while starting; ranks ready: "
+                    f"{sorted(ready)}"
+                )
             if not rep.ok:
                 self.kill()
                 raise WorldError(f"rank {rep.rank} failed to start:\n{rep.error}")

@@ -1,11 +1,15 @@
 """A tiny Mixtral-like GPTModel gives the single-rank loss and embedding gradient at every layout."""
 
+import os
+
 import pytest
 import torch
+from megatron.core import parallel_state
 
-from megatron_lora.models.gpt import tiny_mixtral_shape
+from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
 from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing import parity
+from megatron_lora.testing.reference import load_weights
 from tests.harness import multirank
 
 CASES = [
@@ -29,3 +33,18 @@ def test_loss_and_embedding_grad_match_single_rank(layout, dispatcher, world_siz
     torch.testing.assert_close(loss.reshape(1), reference["loss"], rtol=1e-5, atol=0)
     if grad is not None:  # first pipeline stage
         torch.testing.assert_close(grad, reference["embedding_grad"], rtol=1e-5, atol=1e-7)
+
+
+@multirank(world_size=2, timeout=240)
+def test_the_comparison_catches_a_wrong_shard(tiny_reference, layout=ParallelLayout(tp=2, sp=True)):
+    """One TP rank's qkv shard off by 1e-3: the loss must no longer match within rtol 1e-5."""
+    shape = tiny_mixtral_shape()
+    model = build_gpt_model(shape, transformer_config(shape, layout))
+    load_weights(model, os.path.join(tiny_reference, "weights"))
+    if parallel_state.get_tensor_model_parallel_rank() == 1:
+        with torch.no_grad():
+            model.decoder.layers[0].self_attention.linear_qkv.weight.add_(1e-3)
+    loss, _ = parity.loss_and_embedding_grad(model, shape)
+    reference = parity.load_reference(tiny_reference)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(loss.reshape(1), reference["loss"], rtol=1e-5, atol=0)

@@ -1,0 +1,112 @@
+"""JSONL training samples, one JSON object per line, in one of three forms:
+
+    {"text": "..."}                                   causal LM: loss on every token
+    {"prompt": "...", "response": "..."}              SFT: loss on the response only
+    {"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}
+                                                      SFT: loss on assistant turns only
+
+Chat turns use the Mistral/Mixtral instruction format: `<s>[INST] user [/INST] answer</s>`
+(a system message is prepended to the first user turn).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import List, Tuple
+
+
+class DataError(ValueError):
+    """Bad training data; the message names the file and line."""
+
+
+@dataclass
+class Sample:
+    tokens: List[int]
+    loss_mask: List[int]  # 1 where the token is a prediction target (its label position)
+
+
+def _text(tok, text: str) -> Sample:
+    ids = [tok.bos_id, *tok.encode(text), tok.eos_id] if tok.bos_id is not None else [*tok.encode(text), tok.eos_id]
+    return Sample(ids, [1] * len(ids))
+
+
+def _pieces(tok, pieces: List[Tuple[str, bool]]) -> Sample:
+    """Concatenate (text, trained) pieces; bos first, eos after each trained piece."""
+    tokens, mask = [], []
+    if tok.bos_id is not None:
+        tokens.append(tok.bos_id)
+        mask.append(0)
+    for text, trained in pieces:
+        ids = tok.encode(text) + ([tok.eos_id] if trained else [])
+        tokens += ids
+        mask += [int(trained)] * len(ids)
+    return Sample(tokens, mask)
+
+
+def _messages(tok, messages, where: str) -> Sample:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list")
+    pieces, system = [], ""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{where}: messages[{i}] must be {{'role': 'system'|'user'|'assistant', "
+                f"'content': str}}, got {m!r}"[:300]
+            )
+        if m["role"] == "system":
+            system = m["content"] + "\n\n"
+        elif m["role"] == "user":
+            pieces.append((f"[INST] {system}{m['content']} [/INST]", False))
+            system = ""
+        else:
+            pieces.append((" " + m["content"], True))
+    if not any(trained for _, trained in pieces):
+        raise DataError(f"{where}: 'messages' has no assistant turn to train on")
+    return _pieces(tok, pieces)
+
+
+def parse_record(tok, record, where: str) -> Sample:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise DataError(f"{where}: 'text' must be a string")
+        return _text(tok, record["text"])
+    if "prompt" in record or "response" in record:
+        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)):
+            raise DataError(f"{where}: 'prompt' and 'response' must both be strings")
+        return _pieces(tok, [(record["prompt"], False), (record["response"], True)])
+    if "messages" in record:
+        return _messages(tok, record["messages"], where)
+    raise DataError(f"{where}: expected a 'text', 'prompt'/'response' or 'messages' field, "
+                    f"got keys {sorted(record)}")
+
+
+def read_jsonl(path: str, tokenizer, max_tokens: int) -> Tuple[List[Sample], int]:
+    """All samples of `path`; samples longer than `max_tokens` are truncated.
+
+    Returns (samples, number truncated). Raises DataError naming file:line for a malformed line;
+    blank lines are skipped.
+    """
+    samples, truncated = [], 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            sample = parse_record(tokenizer, record, where)
+            if len(sample.tokens) > max_tokens:
+                sample = Sample(sample.tokens[:max_tokens], sample.loss_mask[:max_tokens])
+                truncated += 1
+            if sum(sample.loss_mask[1:]) == 0:
+                continue  # nothing to learn after truncation
+            samples.append(sample)
+    if not samples:
+        raise DataError(f"{path}: no usable samples")
+    return samples, truncated

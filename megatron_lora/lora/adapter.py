@@ -1,0 +1,273 @@
+"""LoraAdapter: LoRA on a megatron tensor-parallel linear, exact under TP and SP.
+
+    out, bias = LoraAdapter(base, AdapterConfig(rank=16, alpha=32))(x)
+
+returns what `base(x)` returns, in the same parallel state, plus scale * dropout(x) A^T B^T.
+
+Factor layout (t = size of the base's group, r = rank):
+    column base (W [out/t, in]):  A [r, in] replicated,   B [out/t, r] sharded on dim 0 like W
+    row base    (W [out, in/t]):  A [r, in/t] sharded on dim 1 like W,   B [out, r] replicated
+
+LoRA-path communication per forward+backward ([T, r] = tokens x rank; nothing hidden-sized):
+    column, no SP:   forward nothing;            backward all-reduce [T, r]
+    column, SP:      forward all-gather [T/t,r]; backward reduce-scatter [T, r]
+    row, no SP:      forward all-reduce [T, r];  backward nothing
+    row, SP:         forward reduce-scatter [T,r]; backward all-gather [T/t, r]
+    column with gather_output: all-gather B ([out, r], a weight) instead of the output, so the
+        backward all-reduce disappears (the output gradient is already complete on every rank)
+    row with a non-parallel input: all-gather A ([r, in], a weight); no activation collective.
+
+Gradients of a replicated factor that sees different tokens on each rank (column A under SP, row
+B under SP) are partial sums; the factor carries megatron's `sequence_parallel = True` attribute,
+so `finalize_model_grads` sums them over the TP group with the layer norms' gradients (once per
+step, after gradient accumulation). Nothing here uses parameter hooks.
+
+Factors are initialised as global tensors from a generator seeded with `seed`, then sliced, so
+the global factors are the same at every layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+from megatron_lora.lora import collectives as C
+from megatron_lora.lora import merge as M
+from megatron_lora.lora.config import AdapterConfig
+from megatron_lora.lora.dropout import draw_dropout_key
+from megatron_lora.lora.parallel import COLUMN, LinearGeometry, describe_base_layer
+from megatron_lora.lora.projection import lora_down
+
+
+def init_global_factors(
+    config: AdapterConfig, in_features: int, out_features: int, seed: int
+) -> tuple:
+    """The global (A [r, in], B [out, r]) in fp32, from a CPU generator seeded with `seed`.
+
+    kaiming: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a=sqrt(5), torch's Linear
+    default), B = 0. gaussian: A ~ N(0, 1/r^2), B = 0. random (init_lora_weights=False): A as
+    kaiming and B ~ U(-1/sqrt(r), 1/sqrt(r)).
+    """
+    r = config.rank
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    if config.init_scheme == "gaussian":
+        a = torch.randn(r, in_features, generator=gen) / r
+    else:
+        bound = 1.0 / math.sqrt(in_features)
+        a = torch.empty(r, in_features).uniform_(-bound, bound, generator=gen)
+    if config.init_scheme == "random":
+        bound = 1.0 / math.sqrt(r)
+        b = torch.empty(out_features, r).uniform_(-bound, bound, generator=gen)
+    else:
+        b = torch.zeros(out_features, r)
+    return a, b
+
+
+def _shard(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    part = t.shape[dim] // size
+    return t.narrow(dim, rank * part, part)
+
+
+class LoraAdapter(torch.nn.Module):
+    """A LoRA adapter around a megatron column- or row-parallel linear.
+
+    base_layer: megatron-core ColumnParallelLinear / RowParallelLinear, or a linear with
+        `parallel_mode` "column"/"row" (Transformer Engine style). Kept as `self.base_layer`.
+    config: AdapterConfig (not modified).
+    seed: seeds the global factor initialisation (same factors at every layout).
+    freeze_base: set requires_grad=False on the base weight and bias (standard LoRA).
+
+    forward(input_, *args, **kwargs) -> (output, bias), exactly as the base returns them:
+        column: input [s/t, b, in] under SP, else [s, b, in] (replicated); output [s, b, out/t]
+            (sharded on dim 2), or [s, b, out] (replicated) with gather_output.
+        row: input [s, b, in/t] (sharded on dim 2), or [s, b, in] replicated if not
+            input_is_parallel; output [s/t, b, out] under SP, else [s, b, out] (replicated).
+        bias: the base's bias when skip_bias_add, else None (bias already added).
+    """
+
+    def __init__(
+        self,
+        base_layer: torch.nn.Module,
+        config: AdapterConfig,
+        *,
+        seed: int = 0,
+        freeze_base: bool = True,
+    ):
+        super().__init__()
+        if not isinstance(config, AdapterConfig):
+            raise TypeError(f"config must be an AdapterConfig, got {type(config).__name__}")
+        # All validation is local and comes before anything that could communicate.
+        geometry = describe_base_layer(base_layer)
+        limit = min(geometry.in_features, geometry.out_features)
+        if config.rank > limit:
+            raise ValueError(
+                f"AdapterConfig.rank={config.rank} is larger than min(in_features, out_features)"
+                f" = min({geometry.in_features}, {geometry.out_features}) = {limit} of base_layer"
+            )
+        self.base_layer = base_layer
+        self.config = config
+        self.geometry: LinearGeometry = geometry
+        self.scaling = config.scaling
+        self.merged = False
+        self._disabled = False
+
+        weight = base_layer.weight
+        dtype = config.dtype or weight.dtype
+        a, b = init_global_factors(config, geometry.in_features, geometry.out_features, seed)
+        t, rank = geometry.tp_size, geometry.tp_rank
+        if geometry.mode == COLUMN:
+            b = _shard(b, 0, t, rank)
+        else:
+            a = _shard(a, 1, t, rank)
+        self.lora_A = torch.nn.Parameter(a.to(device=weight.device, dtype=dtype).contiguous())
+        self.lora_B = torch.nn.Parameter(b.to(device=weight.device, dtype=dtype).contiguous())
+        self._set_parallel_attributes(weight)
+        if freeze_base:
+            for p in base_layer.parameters(recurse=False):
+                p.requires_grad_(False)
+
+    def _set_parallel_attributes(self, base_weight: torch.Tensor) -> None:
+        g = self.geometry
+        if g.mode == COLUMN:
+            sharded, replicated, dim = self.lora_B, self.lora_A, 0
+        else:
+            sharded, replicated, dim = self.lora_A, self.lora_B, 1
+        # The attributes megatron's optimizer and grad-norm code read: a sharded factor counts
+        # once per TP rank, a replicated one once per group.
+        set_tensor_model_parallel_attributes(sharded, True, dim, 1)
+        set_tensor_model_parallel_attributes(replicated, False, -1, 1)
+        # Replicated factor fed different tokens on each rank (SP): its gradient is partial and
+        # finalize_model_grads sums parameters marked like this over the TP group.
+        replicated.sequence_parallel = g.sequence_parallel
+        sharded.sequence_parallel = False
+        # Data-parallel reduction group follows the base (experts: expert-data-parallel).
+        allreduce = getattr(base_weight, "allreduce", True)
+        for p in (self.lora_A, self.lora_B):
+            p.allreduce = allreduce
+
+    # ---------------------------------------------------------------------------------------
+    # forward
+    # ---------------------------------------------------------------------------------------
+    def forward(self, input_: torch.Tensor, *args, **kwargs):
+        output, bias = self.base_layer(input_, *args, **kwargs)
+        if self.merged or self._disabled:
+            return output, bias
+        return output + self.lora_delta(input_, self._gathers_output(args, kwargs)), bias
+
+    def _gathers_output(self, args, kwargs) -> bool:
+        # ColumnParallelLinear.forward(input_, weight=None, runtime_gather_output=None)
+        if self.geometry.mode != COLUMN:
+            return False
+        runtime = kwargs.get("runtime_gather_output", args[1] if len(args) > 1 else None)
+        return self.geometry.gather_output if runtime is None else bool(runtime)
+
+    def lora_delta(self, input_: torch.Tensor, gather_output: Optional[bool] = None):
+        """scale * dropout(input_) A^T B^T in the parallel state of the base's output."""
+        g = self.geometry
+        group = g.tp_group
+        p = self.config.dropout if self.training else 0.0
+        key = draw_dropout_key(input_.device) if p > 0.0 else None
+        tokens_local = input_.numel() // input_.shape[-1]
+        if g.mode == COLUMN:
+            gather_output = g.gather_output if gather_output is None else gather_output
+            # Input: this rank's sequence shard under SP (tokens start at rank * local tokens,
+            # sequence being the outermost dim), else all tokens; all features.
+            offset = g.tp_rank * tokens_local if g.sequence_parallel else 0
+            u = lora_down(input_, self.lora_A, self.scaling, p, key, offset, 0)
+            if g.sequence_parallel:
+                # [s/t, b, r] -> [s, b, r]. With a gathered output the output gradient is
+                # complete on every rank, so backward keeps the own slice instead of summing.
+                u = C.gather_tokens(u, group, grad_is_partial=not gather_output)
+            elif not gather_output:
+                # Each rank's B shard gives a partial gradient of u; summing it makes the
+                # gradients of A and of the input complete.
+                u = C.grad_all_reduce(u, group)
+            b = C.gather_weight(self.lora_B, group, 0) if gather_output else self.lora_B
+            return F.linear(u, b.to(u.dtype))
+        if g.input_is_parallel:
+            # Input [s, b, in/t]: the product with this rank's A columns is a partial sum.
+            offset = g.tp_rank * g.in_local
+            u = lora_down(input_, self.lora_A, self.scaling, p, key, 0, offset)
+            if g.sequence_parallel:
+                u = C.reduce_scatter_tokens(u, group)  # -> [s/t, b, r], this rank's tokens
+            else:
+                u = C.all_reduce(u, group)  # -> [s, b, r], replicated
+        else:
+            # Input replicated [s, b, in]: gather A (a weight) rather than any activation.
+            a = C.gather_weight(self.lora_A, group, 1)
+            u = lora_down(input_, a, self.scaling, p, key, 0, 0)
+        return F.linear(u, self.lora_B.to(u.dtype))
+
+    # ---------------------------------------------------------------------------------------
+    # merge / disable
+    # ---------------------------------------------------------------------------------------
+    def merge(self, safe: bool = False) -> None:
+        """Add scale * B A into the base weight shard in place (idempotent; see merge.py)."""
+        M.merge(self, safe=safe)
+
+    def safe_merge(self) -> None:
+        """merge() after checking on every rank that the result is finite; else ValueError and
+        the base weight stays bit-identical."""
+        M.merge(self, safe=True)
+
+    def unmerge(self) -> None:
+        """Subtract the update merged by merge() from the base weight shard."""
+        M.unmerge(self)
+
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's shard of scale * B A (fp32, the base weight's local shape)."""
+        return M.delta_weight(self)
+
+    @contextlib.contextmanager
+    def disable_adapters(self):
+        """Within the context forward returns the base layer's output alone."""
+        if self.merged:
+            raise RuntimeError(
+                "LoraAdapter.disable_adapters: the adapter is merged into the base weight; "
+                "unmerge() first"
+            )
+        previous = self._disabled
+        self._disabled = True
+        try:
+            yield self
+        finally:
+            self._disabled = previous
+
+    # ---------------------------------------------------------------------------------------
+    # distributed checkpointing
+    # ---------------------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """megatron dist_checkpointing entries: the base's own, plus lora_A / lora_B sharded as
+        they are held (column: B on dim 0; row: A on dim 1), the other replicated over TP, so a
+        checkpoint saved at one TP size loads at any other."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        metadata = dict(metadata or {})
+        if metadata.get("dp_cp_group") is None:
+            metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(
+                with_context_parallel=True
+            )
+        state = self.base_layer.sharded_state_dict(
+            prefix=f"{prefix}base_layer.", sharded_offsets=sharded_offsets, metadata=metadata
+        )
+        axis = {"lora_B": 0} if self.geometry.mode == COLUMN else {"lora_A": 1}
+        factors = {"lora_A": self.lora_A, "lora_B": self.lora_B}
+        state.update(
+            make_sharded_tensors_for_checkpoint(
+                factors, prefix, axis, sharded_offsets,
+                tp_group=self.geometry.tp_group, dp_cp_group=metadata["dp_cp_group"],
+            )
+        )
+        return state
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.geometry.describe()}, rank={self.config.rank}, alpha={self.config.alpha}, "
+            f"scaling={self.scaling:g}, dropout={self.config.dropout}, merged={self.merged}"
+        )

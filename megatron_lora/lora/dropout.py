@@ -1,0 +1,72 @@
+"""Layout-independent, regenerable dropout masks for the LoRA input.
+
+Whether element (token i, feature j) of the global LoRA input [tokens, features] is kept is a
+pure function of (key, i, j): a 32-bit integer hash of the global coordinates compared with
+p * 2^32. Consequences:
+
+- every layout drops the same global elements for the same key: a rank computes the mask of its
+  own shard (sequence shard under SP, feature shard for a row-parallel input) from its global
+  offsets, never a global mask;
+- backward regenerates the mask from the saved key instead of keeping a dropped copy of the
+  input (or even a 1-byte mask) alive between forward and backward;
+- the key is drawn from the default generator of the input's device, the stream megatron keeps
+  identical on every tensor-parallel rank for dropout outside TP regions. Activation
+  recomputation restores that stream, so a recomputed forward draws the same key. Drawing it as
+  a device tensor (no .item()) avoids a host-device sync.
+
+The hash is the well-known 32-bit finaliser pattern (xor-shift / multiply), computed in int64 so
+that no product overflows (multipliers are below 2^31, values below 2^32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_M1 = 0x7FEB352D  # odd multipliers below 2^31: products of 32-bit values stay below 2^63
+_M2 = 0x6B43A9B5
+_GOLDEN = 0x1E3779B9  # spreads consecutive token indices before hashing
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash of non-negative int64 values below 2^32 (elementwise)."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def draw_dropout_key(device: torch.device) -> torch.Tensor:
+    """Two 31-bit integers (int64 [2]) from `device`'s default generator: one forward's key."""
+    return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=device)
+
+
+def keep_mask(
+    key: torch.Tensor,
+    p: float,
+    token_offset: int,
+    n_tokens: int,
+    feature_offset: int,
+    n_features: int,
+) -> torch.Tensor:
+    """bool [n_tokens, n_features]: True where global element (token_offset + i,
+    feature_offset + j) is kept by dropout with probability p under `key`.
+
+    Independent of how the global tensor is split: a shard's mask is the slice of the global mask.
+    """
+    device = key.device
+    tokens = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device=device)
+    features = torch.arange(
+        feature_offset, feature_offset + n_features, dtype=torch.int64, device=device
+    )
+    # Hash each coordinate with its half of the key, then the pair: [T, 1] and [1, F] vectors are
+    # cheap; the [T, F] work is a few integer ops, done once in forward and once in backward.
+    row = _mix32(((tokens & _MASK32) * _GOLDEN + key[0]) & _MASK32)
+    row = _mix32(row ^ (tokens >> 32))  # tokens beyond 2^32 still get distinct rows
+    col = _mix32((features + key[1]) & _MASK32)
+    h = _mix32((row.unsqueeze(1) ^ col.unsqueeze(0)) & _MASK32)
+    h = _mix32((h + row.unsqueeze(1)) & _MASK32)
+    threshold = int(round(p * 2**32))
+    return h >= threshold

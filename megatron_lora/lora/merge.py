@@ -1,0 +1,80 @@
+"""Merge a LoRA update into the base weight shard on each rank, and take it out again.
+
+The update scale * B @ A has the base weight's sharding on every rank without communication:
+- column: B [out/t, r] @ A [r, in]   = the [out/t, in] shard of the global update;
+- row:    B [out, r]   @ A [r, in/t] = the [out, in/t] shard.
+So merging is local and exact. The update is computed in fp32 and rounded once into the base
+weight's dtype.
+
+merge(safe=True) checks, before touching the weight, that the update and the merged weight are
+finite on every rank of the base's group (one 1-element all-reduce, so that all ranks take the
+same decision); on failure the base is left bit-identical and ValueError is raised everywhere.
+A second merge (or an unmerge of an unmerged adapter) is a no-op with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def delta_weight(adapter) -> torch.Tensor:
+    """scale * B @ A for this rank's shard, fp32, in the base weight's local shape."""
+    a = adapter.lora_A.detach().float()
+    b = adapter.lora_B.detach().float()
+    # Either way round the product is the local shard; the layout only decides which factor is
+    # the sharded one (column: B rows, row: A columns).
+    return torch.matmul(b, a) * adapter.scaling
+
+
+def _all_ranks_agree(ok: bool, group, device) -> bool:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item() > 0.5)
+
+
+@torch.no_grad()
+def merge(adapter, safe: bool = False) -> None:
+    """Add the update into the base weight shard in place."""
+    if adapter.merged:
+        warnings.warn("LoraAdapter.merge: adapter is already merged; nothing to do", stacklevel=3)
+        return
+    weight = adapter.base_layer.weight
+    delta = delta_weight(adapter)
+    if safe:
+        merged = weight.float() + delta
+        ok = bool(torch.isfinite(delta).all()) and bool(torch.isfinite(merged).all())
+        if not _all_ranks_agree(ok, adapter.geometry.tp_group, weight.device):
+            raise ValueError(
+                "LoraAdapter.safe_merge: the LoRA update or the merged weight has non-finite "
+                "values on at least one rank; the base weight was left unchanged"
+            )
+    if weight.dtype == torch.float32:
+        weight.add_(delta)
+    else:
+        # Low-precision weight: add in fp32 and round once.
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+    adapter.merged = True
+
+
+@torch.no_grad()
+def unmerge(adapter) -> None:
+    """Subtract the update from the base weight shard in place (the inverse of merge)."""
+    if not adapter.merged:
+        warnings.warn("LoraAdapter.unmerge: adapter is not merged; nothing to do", stacklevel=3)
+        return
+    weight = adapter.base_layer.weight
+    if weight.dtype == torch.float32:
+        weight.sub_(delta_weight(adapter))
+    else:
+        # Low-precision weight: subtract in fp32 and round once, as merge did.
+        weight.copy_((weight.float() - delta_weight(adapter)).to(weight.dtype))
+    adapter.merged = False
+
+
+__all__ = ["delta_weight", "merge", "unmerge"]

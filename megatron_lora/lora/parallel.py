@@ -1,0 +1,177 @@
+"""How a base linear is split over tensor-parallel ranks, read from the layer itself.
+
+`describe_base_layer(base)` returns a `LinearGeometry`: column or row parallel, the global sizes,
+the process group the layer communicates in (taken from the layer, never from the global parallel
+state: expert linears use the expert-tensor-parallel group, not the dense TP group) and the flags
+that decide the parallel state of its input and output.
+
+Two kinds of layer are recognised, by attributes rather than class names:
+- anything with a `parallel_mode` attribute of "column" or "row" (Transformer Engine linears and
+  megatron's TE wrappers): sizes from `in_features`/`out_features`, group from `tp_group`;
+- megatron-core's ColumnParallelLinear / RowParallelLinear (isinstance, subclasses included).
+
+Everything is decided from Python attributes the rank already holds, so an unsupported layer
+raises the same error on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+COLUMN = "column"
+ROW = "row"
+
+
+class UnsupportedBaseLayerError(TypeError):
+    """LoraAdapter was given a base_layer it cannot wrap exactly; the message says why."""
+
+
+@dataclass(frozen=True)
+class LinearGeometry:
+    """The parallel layout of a base linear Y = X W^T (+ b), W global [out_features, in_features].
+
+    mode: "column" (W sharded on dim 0: each rank holds [out/t, in]) or
+          "row" (W sharded on dim 1: each rank holds [out, in/t]).
+    tp_group / tp_size / tp_rank: the group the base layer communicates in and this rank's place.
+    sequence_parallel: column: input [s/t, b, in] is this rank's sequence shard (the base gathers
+        it); row: output [s/t, b, out] is reduce-scattered along the sequence.
+    gather_output: column only: the output is all-gathered to [s, b, out] (replicated).
+    input_is_parallel: row only: the input is [s, b, in/t] (sharded on the last dim); when False
+        the input is [s, b, in], replicated, and the base slices it itself.
+    """
+
+    mode: str
+    in_features: int
+    out_features: int
+    tp_group: Optional[Any]
+    tp_size: int
+    tp_rank: int
+    sequence_parallel: bool
+    gather_output: bool = False
+    input_is_parallel: bool = True
+
+    @property
+    def in_local(self) -> int:
+        return self.in_features // self.tp_size if self.mode == ROW else self.in_features
+
+    @property
+    def out_local(self) -> int:
+        return self.out_features // self.tp_size if self.mode == COLUMN else self.out_features
+
+    def describe(self) -> str:
+        flags = [f"tp={self.tp_size}"]
+        if self.sequence_parallel:
+            flags.append("sp")
+        if self.mode == COLUMN and self.gather_output:
+            flags.append("gather_output")
+        if self.mode == ROW and not self.input_is_parallel:
+            flags.append("input_not_parallel")
+        return f"{self.mode}({self.in_features}->{self.out_features}, {', '.join(flags)})"
+
+
+def _group_size_rank(group) -> tuple:
+    # Reading a group's size and this rank's place is local bookkeeping, not communication.
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _reject_partial_input_grad(base: torch.nn.Module) -> None:
+    """Layers whose input gradient is left as a partial sum for someone else to reduce.
+
+    megatron expert linears with explicit communication (is_expert with expert-TP or EP > 1) and
+    ColumnParallelLinear(disable_grad_reduce=True) hand back an input gradient that is a partial
+    sum over the group, and (row) an output that is a partial sum; the adapter's path assumes
+    complete input gradients and reduced outputs. Wrapping them silently would double-count the
+    LoRA term, so they are refused.
+    """
+    if getattr(base, "explicit_expert_comm", False):
+        raise UnsupportedBaseLayerError(
+            f"base_layer {type(base).__name__} is an expert linear with explicit expert "
+            "communication (its output and input gradient are partial sums reduced by the token "
+            "dispatcher); LoraAdapter supports dense column/row parallel linears only"
+        )
+    if getattr(base, "disable_grad_reduce", False):
+        raise UnsupportedBaseLayerError(
+            f"base_layer {type(base).__name__} has disable_grad_reduce=True (input gradient left "
+            "as a partial sum); LoraAdapter needs the base to reduce its input gradient"
+        )
+
+
+def _from_parallel_mode(base: torch.nn.Module, mode_attr: Any) -> LinearGeometry:
+    mode = str(mode_attr).lower() if mode_attr is not None else None
+    if mode not in (COLUMN, ROW):
+        raise UnsupportedBaseLayerError(
+            f"base_layer {type(base).__name__} has parallel_mode={mode_attr!r}; only 'column' "
+            "and 'row' parallel linears are supported"
+        )
+    if hasattr(base, "layer_norm_weight") or getattr(base, "return_layernorm_output", False):
+        # A LayerNorm-fused linear normalises its input internally: LoRA must see the normalised
+        # activations, which the layer does not hand out here.
+        raise UnsupportedBaseLayerError(
+            f"base_layer {type(base).__name__} fuses a LayerNorm into the linear; the LoRA input "
+            "must be the normalised activations, which this layer does not expose"
+        )
+    _reject_partial_input_grad(base)
+    for name in ("in_features", "out_features"):
+        if not isinstance(getattr(base, name, None), int):
+            raise UnsupportedBaseLayerError(
+                f"base_layer {type(base).__name__} has parallel_mode={mode!r} but no integer "
+                f"`{name}` attribute"
+            )
+    group = getattr(base, "tp_group", None)
+    size, rank = _group_size_rank(group)
+    return LinearGeometry(
+        mode=mode,
+        in_features=base.in_features,
+        out_features=base.out_features,
+        tp_group=group,
+        tp_size=size,
+        tp_rank=rank,
+        sequence_parallel=bool(getattr(base, "sequence_parallel", False)) and size > 1,
+        gather_output=False,  # TE column linears never gather their output
+        input_is_parallel=True,  # TE row linears always take a sharded input
+    )
+
+
+def describe_base_layer(base: torch.nn.Module) -> LinearGeometry:
+    """The geometry of `base`; raises UnsupportedBaseLayerError naming base_layer otherwise."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if not isinstance(base, torch.nn.Module):
+        raise UnsupportedBaseLayerError(
+            f"base_layer must be a torch.nn.Module parallel linear, got {type(base).__name__}"
+        )
+    if hasattr(base, "parallel_mode"):
+        return _from_parallel_mode(base, base.parallel_mode)
+    if isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+        _reject_partial_input_grad(base)
+        if getattr(base, "weight", None) is None:
+            raise UnsupportedBaseLayerError(
+                f"base_layer {type(base).__name__} allocates no weight "
+                "(skip_weight_param_allocation=True); merge and checkpointing need one"
+            )
+        group = base.tp_group
+        size, rank = _group_size_rank(group)
+        column = isinstance(base, ColumnParallelLinear)
+        return LinearGeometry(
+            mode=COLUMN if column else ROW,
+            in_features=base.input_size,
+            out_features=base.output_size,
+            tp_group=group,
+            tp_size=size,
+            tp_rank=rank,
+            # megatron's column layer switches SP off at TP=1; its row layer keeps the flag (its
+            # reduce-scatter over one rank is the identity): either way nothing is sharded at t=1.
+            sequence_parallel=bool(base.sequence_parallel) and size > 1,
+            gather_output=bool(base.gather_output) if column else False,
+            input_is_parallel=True if column else bool(base.input_is_parallel),
+        )
+    raise UnsupportedBaseLayerError(
+        f"base_layer of type {type(base).__name__} is not supported: expected megatron-core's "
+        "ColumnParallelLinear / RowParallelLinear or a linear with parallel_mode 'column'/'row'"
+    )

@@ -10,6 +10,8 @@ Fixes (see `install()`):
                     tensor_parallel.mappings, global memory buffer, DDP buffers, router)
   device_mode       hard-coded device="cuda" / .cuda() / .to("cuda") (transformer/utils.py causal
                     mask, pipeline_parallel/schedules.py total_num_tokens, tensor_parallel/data.py)
+  tensor_type_names Tensor.type() compared with "torch.cuda.FloatTensor" by megatron's optimizers
+                    and grad clipping (part of the device mode)
   streams           torch.cuda.Stream / current_stream / stream() (alltoall token dispatcher's
                     cuda_dtoh_stream, shared experts, DDP communication stream)
   rng_tracker       tensor_parallel.random.CudaRNGStatesTracker (model_parallel_cuda_manual_seed,
@@ -61,12 +63,20 @@ class CpuDeviceMode(TorchFunctionMode):
     Answers: transformer/utils.py `get_default_causal_mask` (device="cuda"),
     pipeline_parallel/schedules.py `total_num_tokens` (device="cuda"),
     tensor_parallel/data.py `broadcast_data` (.cuda()).
+
+    Also (fix `tensor_type_names`): `Tensor.type()` without arguments reports the CUDA type name
+    ("torch.cuda.FloatTensor"), because megatron's optimizers accept parameters by that name only
+    (optimizer.py Float16OptimizerWithFloat16Params, distrib_optimizer.py
+    _build_model_and_main_param_groups, clip_grads.py clip_grad_by_total_norm_fp32).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device=_CPU)
         if kwargs.get("pin_memory"):
@@ -185,6 +195,7 @@ def install() -> Dict[str, bool]:
     mode = CpuDeviceMode()
     mode.__enter__()
     _INSTALLED["device_mode"] = True
+    _INSTALLED["tensor_type_names"] = True
 
     # rng_tracker
     from megatron_lora.runtime import rng

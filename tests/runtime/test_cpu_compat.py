@@ -138,3 +138,18 @@ def test_uneven_sequence_parallel_gather_and_its_backward(layout=ParallelLayout(
     full = torch.arange(8, dtype=torch.float32).unsqueeze(1).expand(8, 2) * 3
     mine = full[:3] if rank == 0 else full[3:]
     torch.testing.assert_close(x.grad, mine)
+
+
+@CPU_ONLY
+@multirank(world_size=1)
+def test_tensor_type_names_satisfy_megatron_optimizers():
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(1).type(torch.float64).dtype == torch.float64  # conversions are untouched
+    # clip_grads.py asserts param.grad.type() == 'torch.cuda.FloatTensor'
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 2.0)
+    clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    torch.testing.assert_close(p.grad, torch.full((4,), 0.5), rtol=1e-6, atol=0)

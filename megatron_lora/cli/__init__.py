@@ -11,6 +11,8 @@ from typing import List, Optional
 # Modules that provide subcommands, in the order `--help` lists them.
 COMMAND_MODULES = [
     "megatron_lora.cli.parity",
+    "megatron_lora.cli.convert",
+    "megatron_lora.cli.logits",
 ]
 
 

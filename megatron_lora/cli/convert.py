@@ -1,0 +1,67 @@
+"""`megatron-lora convert`: Hugging Face Mixtral safetensors <-> megatron-core torch_dist.
+
+    megatron-lora convert hf-to-mcore --hf-dir Mixtral-8x7B --save mixtral-mcore
+    megatron-lora convert mcore-to-hf --load mixtral-mcore --save Mixtral-8x7B-out
+
+Both run in one process with bounded memory (streamed, tensor by tensor), show a progress bar in
+bytes, and create the output directory only when it is complete. The torch_dist checkpoint loads
+at any TP/PP/EP/ETP layout (`megatron-lora logits --load ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '100KB', '123' (bytes) -> bytes (powers of 1000, 'GiB' etc. of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"cannot parse size {text!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="convert checkpoints: HF safetensors <-> megatron-core")
+    conv = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    a = conv.add_parser("hf-to-mcore", help="HF Mixtral -> torch_dist checkpoint (any layout)")
+    a.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
+    a.add_argument("--save", required=True, help="output checkpoint folder (must not exist)")
+    a.add_argument("--threads", type=int, default=1, help="writer threads (one chunk in memory each)")
+    b = conv.add_parser("mcore-to-hf", help="torch_dist checkpoint -> HF safetensors shards")
+    b.add_argument("--load", required=True, help="megatron-core torch_dist checkpoint folder")
+    b.add_argument("--save", required=True, help="output HF folder (must not exist)")
+    b.add_argument("--hf-config", default=None,
+                   help="HF config.json of the model (default: the one hf-to-mcore stored)")
+    b.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                   help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    for q in (a, b):
+        q.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+        q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.models.mixtral import MixtralConfigError
+
+    try:
+        if args.direction == "hf-to-mcore":
+            from megatron_lora.convert.hf_to_mcore import hf_to_mcore
+
+            hf_to_mcore(args.hf_dir, args.save, overwrite=args.overwrite,
+                        progress=not args.no_progress, threads=args.threads)
+        else:
+            from megatron_lora.convert.mcore_to_hf import mcore_to_hf
+
+            mcore_to_hf(args.load, args.save, hf_config=args.hf_config,
+                        max_shard_bytes=args.max_shard_size,
+                        overwrite=args.overwrite, progress=not args.no_progress)
+    except (ConversionError, MixtralConfigError) as exc:
+        print(f"megatron-lora convert {args.direction}: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.save}", file=sys.stderr)
+    return 0

@@ -1,0 +1,146 @@
+"""`megatron-lora logits`: a Mixtral's logits for given token ids, at any parallel layout.
+
+    torchrun --nproc-per-node 4 -m megatron_lora logits --load mixtral-mcore \\
+        --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --sequence-parallel \\
+        --tokens tokens.json --out logits.safetensors
+
+--tokens: a JSON list of token-id lists of equal length. --out: safetensors with one tensor
+`logits` [batch, seq, vocab] fp32 (vocab = config.json's vocab_size, padding dropped), written by
+one rank. Weights come from a torch_dist checkpoint (--load) or straight from HF safetensors
+(--load-hf, each rank reading only its own slices). Every input and the layout are checked on
+every rank before the first collective, so a bad run fails fast on all ranks with one message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("logits", help="logits of a Mixtral checkpoint for given tokens (torchrun)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", help="megatron-core torch_dist checkpoint (from convert hf-to-mcore)")
+    src.add_argument("--load-hf", help="HF Mixtral folder, read directly (no conversion)")
+    p.add_argument("--hf-config", default=None, help="config.json for a --load checkpoint that "
+                   "has no hf_config.json of its own")
+    p.add_argument("--tokens", required=True, help="JSON list of equal-length token-id lists")
+    p.add_argument("--out", required=True, help="output .safetensors (tensor 'logits', fp32)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
+                   default="allgather")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--bf16", action="store_true", help="run the model in bf16 (default fp32)")
+    p.set_defaults(func=_run)
+
+
+def read_tokens(path: str, vocab_size: int):
+    """[B, S] int64 tensor from a JSON list of equal-length lists of ids in [0, vocab_size)."""
+    import torch
+
+    from megatron_lora.convert.errors import ConversionError
+
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{path}: cannot read token ids: {exc}") from None
+    if (not isinstance(rows, list) or not rows or
+            not all(isinstance(r, list) and r and all(type(t) is int for t in r) for r in rows)):
+        raise ConversionError(f"{path}: expected a non-empty JSON list of non-empty lists of ints")
+    if len({len(r) for r in rows}) != 1:
+        raise ConversionError(f"{path}: sequences have different lengths {sorted({len(r) for r in rows})}")
+    tokens = torch.tensor(rows, dtype=torch.int64)
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ConversionError(f"{path}: token ids must be in [0, {vocab_size}), got "
+                              f"[{int(tokens.min())}, {int(tokens.max())}]")
+    return tokens
+
+
+def _check_batch(tokens, layout, world_size: int, micro_batch_size: int, info) -> None:
+    from megatron_lora.convert.errors import ConversionError
+
+    b, s = tokens.shape
+    dp = layout.data_parallel_size(world_size)
+    if b % (dp * micro_batch_size):
+        raise ConversionError(f"batch {b} is not divisible by data-parallel size {dp} x "
+                              f"micro-batch size {micro_batch_size}")
+    if layout.sp and s % layout.tp:
+        raise ConversionError(f"sequence length {s} is not divisible by tp={layout.tp} "
+                              f"(needed by --sequence-parallel)")
+    if s > info.shape.max_position_embeddings:
+        raise ConversionError(f"sequence length {s} exceeds max_position_embeddings="
+                              f"{info.shape.max_position_embeddings}")
+
+
+def _run(args) -> int:
+    import torch
+
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.runtime import LayoutError, ParallelLayout
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # everything below is local to this rank: no collective yet
+        layout = ParallelLayout(
+            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+            sp=args.sequence_parallel)
+        if args.load_hf:
+            from megatron_lora.convert.hf_to_mcore import open_hf
+
+            info, hf, _ = open_hf(args.load_hf)
+        else:
+            from megatron_lora.convert.hf_to_mcore import read_mcore_info
+
+            info, hf = read_mcore_info(args.load, args.hf_config), None
+        info.validate_layout(layout, world_size)
+        tokens = read_tokens(args.tokens, info.vocab_size)
+        _check_batch(tokens, layout, world_size, args.micro_batch_size, info)
+    except (ConversionError, MixtralConfigError, LayoutError) as exc:
+        print(f"megatron-lora logits: error: {exc}", file=sys.stderr)
+        return 2
+    return _compute(args, layout, info, hf, tokens, torch.bfloat16 if args.bf16 else torch.float32)
+
+
+def _compute(args, layout, info, hf, tokens, dtype) -> int:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from megatron_lora import runtime
+    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29518")
+    runtime.init_process_group()
+    runtime.initialize(layout, model_sizes=info.shape.layout_sizes())
+    model = build_mixtral_model(info, mixtral_config(
+        info, layout, dtype=dtype, dispatcher=args.moe_token_dispatcher_type))
+    model.to(runtime.device())
+    if hf is not None:
+        load_hf(model, info, hf)
+    else:
+        load_mcore(model, args.load)
+    logits = forward_logits(model, tokens.to(runtime.device()), info.vocab_size,
+                            micro_batch_size=args.micro_batch_size)
+    if logits is not None:
+        out = os.path.abspath(args.out)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        tmp = f"{out}.partial-{os.getpid()}"
+        save_file({"logits": logits.float().cpu().contiguous()}, tmp)
+        os.replace(tmp, out)
+        print(f"wrote logits {list(logits.shape)} to {out} "
+              f"({layout.describe()} on {dist.get_world_size()} ranks)", file=sys.stderr)
+    dist.barrier()
+    runtime.shutdown()
+    return 0

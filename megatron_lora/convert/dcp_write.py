@@ -1,0 +1,132 @@
+"""Write a megatron-core torch_dist checkpoint one chunk at a time, from lazily produced data.
+
+A torch_dist checkpoint is a torch.distributed.checkpoint (DCP) directory (`.metadata` plus
+`__0_*.distcp` data files) plus megatron's `metadata.json` (the backend names) and `common.pt`
+(the non-sharded state, empty for model weights). DCP stores each global tensor as a list of
+chunks (offsets, sizes) and reads any box of it back from whichever chunks overlap, which is what
+lets megatron load it at any TP/PP/EP/ETP layout.
+
+`write_torch_dist` plans every chunk up front from sizes alone, then DCP's file writer asks the
+planner for each chunk's data (`resolve_data`) one at a time, writes it and drops it: at most one
+chunk (times the writer threads) is in memory. Runs in one process, no process group needed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import warnings
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from megatron_lora.convert.mapping import Chunk, ExtraState, McoreTensor
+from megatron_lora.convert.regions import volume
+
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                     "common_backend": "torch", "common_backend_version": 1}
+
+ChunkData = Callable[[McoreTensor, Chunk], torch.Tensor]
+
+
+class _LazyPlanner(SavePlanner):
+    """A one-rank DCP save planner whose items come from a table, their data from a callback."""
+
+    def __init__(self, items: List[WriteItem], resolve: Callable[[WriteItem], object]):
+        self._items, self._resolve = items, resolve
+
+    def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator=False) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        return SavePlan(self._items)
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = create_default_global_save_plan(all_plans)
+        for fqn, md in metadata.state_dict_metadata.items():
+            chunks = getattr(md, "chunks", None)
+            if chunks is not None and sum(volume(c.sizes) for c in chunks) != volume(md.size):
+                raise AssertionError(f"chunks of {fqn} do not tile its shape {list(md.size)}")
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        return self._resolve(write_item)
+
+
+def _tensor_item(t: McoreTensor, c: Chunk, dtype: torch.dtype) -> WriteItem:
+    chunk = ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+    return WriteItem(
+        index=MetadataIndex(t.key, torch.Size(c.offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype),
+                                    size=torch.Size(t.shape)),
+    )
+
+
+def _none_object() -> io.BytesIO:
+    # megatron's torch_dist strategy stores a ShardedObject as torch.save([data]).
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    buf.seek(0)
+    return buf
+
+
+def write_torch_dist(
+    directory: str,
+    tensors: Sequence[McoreTensor],
+    objects: Sequence[ExtraState],
+    chunk_data: ChunkData,
+    dtype: torch.dtype,
+    threads: int = 1,
+) -> None:
+    """Write `tensors` (every chunk, from `chunk_data(tensor, chunk)`, a [chunk.sizes] tensor of
+    `dtype`) and the None-valued `objects` as a torch_dist checkpoint into `directory` (which must
+    be empty or new)."""
+    items: List[WriteItem] = []
+    by_index: Dict[Tuple[str, Tuple[int, ...]], Tuple[McoreTensor, Chunk]] = {}
+    for t in tensors:
+        for c in t.chunks:
+            items.append(_tensor_item(t, c, dtype))
+            by_index[(t.key, tuple(c.offsets))] = (t, c)
+    items += [WriteItem(index=MetadataIndex(o.unique_key), type=WriteItemType.BYTE_IO)
+              for o in objects]
+
+    def resolve(item: WriteItem):
+        if item.type == WriteItemType.BYTE_IO:
+            return _none_object()
+        t, c = by_index[(item.index.fqn, tuple(item.index.offset))]
+        data = chunk_data(t, c)
+        if tuple(data.shape) != tuple(c.sizes) or data.dtype != dtype:
+            raise AssertionError(
+                f"{t.key} chunk at {list(c.offsets)}: got {data.dtype} {list(data.shape)}, "
+                f"expected {dtype} {list(c.sizes)}"
+            )
+        return data
+
+    os.makedirs(directory, exist_ok=True)
+    writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
+                                  thread_count=threads, overwrite=False)
+    with warnings.catch_warnings():  # DCP warns that it saves from a single process: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
+    with open(os.path.join(directory, "metadata.json"), "w") as f:
+        json.dump(MEGATRON_METADATA, f)
+    torch.save({}, os.path.join(directory, "common.pt"))

@@ -1,0 +1,120 @@
+"""HF Mixtral safetensors -> megatron-core torch_dist checkpoint, streamed.
+
+    hf_to_mcore("Mixtral-8x7B", "mixtral-mcore")
+
+Everything that can be wrong with the input is checked before the output directory is created
+(`open_hf`): config.json, index, shard files and headers, every tensor's presence, shape and dtype
+against config.json. Then each megatron chunk is read from its HF tensor(s), written and dropped.
+The output directory appears (by rename) only when complete. Besides the torch_dist files it holds
+`hf_config.json` (the source config.json), `megatron_lora.json` (vocabulary sizes, dtype) and the
+tokenizer/generation files of the source under `hf_files/`, so mcore-to-hf can rebuild a complete
+HF directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Tuple
+
+import torch
+
+from megatron_lora.convert.atomic import atomic_directory, check_output_free
+from megatron_lora.convert.dcp_write import write_torch_dist
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.hf_files import HFCheckpoint
+from megatron_lora.convert.mapping import (
+    IGNORED_HF_SUFFIXES,
+    extra_states,
+    hf_shapes,
+    mcore_tensors,
+)
+from megatron_lora.convert.progress import byte_bar
+from megatron_lora.models.mixtral import MixtralInfo, read_hf_config
+
+SIDECAR = "megatron_lora.json"
+HF_CONFIG = "hf_config.json"
+HF_FILES = "hf_files"
+FORMAT = "megatron_lora.mixtral.torch_dist"
+_PASSTHROUGH = ("generation_config.json", "special_tokens_map.json", "added_tokens.json",
+                "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja")
+
+
+def open_hf(hf_dir: str) -> Tuple[MixtralInfo, HFCheckpoint, torch.dtype]:
+    """Read and check an HF Mixtral directory: (model info, safetensors reader, weights dtype).
+
+    Raises ConversionError / MixtralConfigError naming the file, tensor or config field."""
+    info = read_hf_config(hf_dir)
+    ckpt = HFCheckpoint(hf_dir)
+    expected = hf_shapes(info)
+    for name, shape in expected.items():
+        got = ckpt.tensors.get(name)
+        if got is None:
+            raise ConversionError(f"{hf_dir}: tensor {name!r} is missing from the checkpoint")
+        if got.shape != shape:
+            raise ConversionError(
+                f"{os.path.join(hf_dir, got.file)}: tensor {name!r} has shape {list(got.shape)}, "
+                f"but config.json ({info.config_fields()}) implies {list(shape)}"
+            )
+    extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(IGNORED_HF_SUFFIXES))
+    if extra:
+        raise ConversionError(
+            f"{hf_dir}: tensors not part of a Mixtral model as config.json describes it: "
+            f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )
+    dtypes = {ckpt.tensors[n].dtype for n in expected}
+    if len(dtypes) != 1:
+        raise ConversionError(f"{hf_dir}: tensors have mixed dtypes {sorted(map(str, dtypes))}")
+    return info, ckpt, dtypes.pop()
+
+
+def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bool = True,
+                threads: int = 1) -> None:
+    """Convert `hf_dir` into a torch_dist checkpoint at `save` (created atomically)."""
+    check_output_free(save, overwrite)
+    info, ckpt, dtype = open_hf(hf_dir)
+    tensors = mcore_tensors(info, dtype)
+    total = sum(sum(_nbytes(c.sizes, dtype) for c in t.chunks) for t in tensors)
+    with atomic_directory(save, overwrite) as tmp, byte_bar(total, "hf-to-mcore", progress) as bar:
+
+        def chunk_data(t, c):
+            data = c.source.read(ckpt, tuple(slice(0, n) for n in c.source.shape))
+            bar.update(data.nbytes)
+            return data.reshape(c.sizes)
+
+        write_torch_dist(tmp, tensors, extra_states(info), chunk_data, dtype, threads=threads)
+        write_sidecar(tmp, info, dtype)
+        os.makedirs(os.path.join(tmp, HF_FILES))
+        for name in _PASSTHROUGH:
+            if os.path.isfile(os.path.join(hf_dir, name)):
+                shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, HF_FILES, name))
+
+
+def write_sidecar(directory: str, info: MixtralInfo, dtype: torch.dtype) -> None:
+    with open(os.path.join(directory, HF_CONFIG), "w") as f:
+        json.dump(info.hf_config, f, indent=2)
+    with open(os.path.join(directory, SIDECAR), "w") as f:
+        json.dump({"format": FORMAT, "version": 1, "vocab_size": info.vocab_size,
+                   "padded_vocab_size": info.shape.vocab_size,
+                   "dtype": str(dtype).replace("torch.", "")}, f, indent=2)
+
+
+def read_mcore_info(mcore_dir: str, hf_config: str = None) -> MixtralInfo:
+    """MixtralInfo of a megatron checkpoint: from `hf_config` if given, else the checkpoint's own
+    hf_config.json (written by hf-to-mcore)."""
+    if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
+        raise ConversionError(f"{mcore_dir}: not a megatron-core distributed checkpoint "
+                              f"(no metadata.json)")
+    path = hf_config or os.path.join(mcore_dir, HF_CONFIG)
+    if not os.path.exists(path):
+        raise ConversionError(
+            f"{mcore_dir}: no {HF_CONFIG}; pass the model's HF config.json (--hf-config)")
+    return read_hf_config(path)
+
+
+def _nbytes(sizes, dtype) -> int:
+    n = torch.tensor([], dtype=dtype).element_size()
+    for s in sizes:
+        n *= s
+    return n

@@ -1,0 +1,89 @@
+"""Load Mixtral weights into this rank's megatron-core model, at whatever layout it was built.
+
+`load_mcore(model, directory)`: megatron's own `dist_checkpointing.load` of a torch_dist checkpoint
+(collective over the world: every rank reads the boxes its shards cover).
+
+`load_hf(model, hf)`: straight from HF safetensors, no conversion step and no communication. Each
+rank walks its model's sharded state dict (the same one `dist_checkpointing` uses, so the same
+boxes of the same global tensors), and fills each local shard from the mapping table's chunks,
+reading with safetensors slices only the rows/columns of the HF tensors that shard covers.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    apply_factory_merges,
+)
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.hf_files import HFCheckpoint
+from megatron_lora.convert.mapping import mcore_tensors
+from megatron_lora.convert.regions import assemble
+from megatron_lora.models.mixtral import MixtralInfo
+
+
+def _sharded_state_dict(model: torch.nn.Module):
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    return model.sharded_state_dict(metadata=metadata)
+
+
+def _apply(model: torch.nn.Module, state: dict, source: str) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConversionError(
+            f"{source} does not match the model: missing={missing}, unexpected={unexpected}")
+
+
+def load_mcore(model: torch.nn.Module, directory: str) -> None:
+    """Load a torch_dist checkpoint saved at any layout (collective: call on every rank)."""
+    state = dist_checkpointing.load(_sharded_state_dict(model), directory)
+    _apply(model, state, directory)
+
+
+def load_hf(model: torch.nn.Module, info: MixtralInfo, hf: HFCheckpoint) -> None:
+    """Fill this rank's shards from HF safetensors (local: no collective)."""
+    table = {t.key: t for t in mcore_tensors(info, _model_dtype(model))}
+    sharded, _, factories = load_preprocess(_sharded_state_dict(model))
+
+    def fill(x):
+        if isinstance(x, ShardedObject):
+            return None  # local linears' _extra_state
+        if not isinstance(x, ShardedTensor):
+            return x
+        t = table.get(x.key)
+        if t is None:
+            raise ConversionError(f"model tensor {x.key!r} has no HF source in the mapping table")
+        if x.flattened_range is not None:
+            raise ConversionError(f"{x.key}: flattened shards are not supported")
+        if tuple(x.global_shape) != tuple(t.shape):
+            raise ConversionError(
+                f"{x.key}: model expects global shape {list(x.global_shape)}, the HF checkpoint "
+                f"gives {list(t.shape)}")
+        sizes = (1,) * x.prepend_axis_num + tuple(x.local_shape)
+        chunks = [(c.offsets, c.sizes, _fetcher(c, hf)) for c in t.chunks]
+        data = assemble(x.global_offset, sizes, chunks, x.data.dtype, x.key)
+        return data.reshape(x.local_shape).to(x.data.dtype)
+
+    dict_list_map_inplace(fill, sharded)
+    state = apply_factory_merges(sharded, factories)
+    _apply(model, state, hf.directory)
+
+
+def _fetcher(chunk, hf: HFCheckpoint):
+    lead = len(chunk.sizes) - len(chunk.source.shape)
+
+    def fetch(index):
+        return chunk.source.read(hf, index[lead:])
+
+    return fetch
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype

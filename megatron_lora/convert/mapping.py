@@ -1,0 +1,226 @@
+"""The one mapping between Hugging Face Mixtral tensors and megatron-core checkpoint tensors.
+
+Every tool uses `mcore_tensors(info)`: hf-to-mcore writes each chunk from its source, `--load-hf`
+reads the part of each chunk a rank owns, mcore-to-hf reads each chunk's box back and `split`s it
+into HF tensors.
+
+Megatron-side names are the keys of megatron-core's sharded state dict (torch_dist checkpoints):
+per-layer tensors are stacked on a leading layer axis [L, ...], expert tensors on [L, E, ...].
+
+| HF (layer l, expert e)                                | megatron key, chunk                   |
+|-------------------------------------------------------|---------------------------------------|
+| model.embed_tokens.weight [V, h]                      | embedding.word_embeddings.weight      |
+|                                                       |   [Vp, h] rows 0..V (V..Vp are zeros) |
+| model.layers.l.input_layernorm.weight [h]             | decoder.layers.self_attention.        |
+|                                                       |   linear_qkv.layer_norm_weight [L, h] |
+| model.layers.l.self_attn.{q,k,v}_proj.weight          | decoder.layers.self_attention.        |
+|   q [n*d, h], k and v [g*d, h]                        |   linear_qkv.weight [L, (n+2g)*d, h]  |
+|                                                       |   per query group j: [q heads of j; k_j; v_j] |
+| model.layers.l.self_attn.o_proj.weight [h, n*d]       | ...self_attention.linear_proj.weight  |
+| model.layers.l.post_attention_layernorm.weight [h]    | decoder.layers.mlp.linear_fc1.layer_norm_weight |
+| model.layers.l.block_sparse_moe.gate.weight [E, h]    | decoder.layers.mlp.router.weight      |
+| ...experts.e.w1.weight [f, h] (gate)                  | decoder.layers.mlp.experts.experts.   |
+| ...experts.e.w3.weight [f, h] (up)                    |   linear_fc1.weight [L, E, 2f, h]:    |
+|                                                       |   rows 0..f = w1, f..2f = w3          |
+| ...experts.e.w2.weight [h, f]                         | ...experts.experts.linear_fc2.weight  |
+| model.norm.weight [h]                                 | decoder.final_layernorm.weight        |
+| lm_head.weight [V, h] (untied only)                   | output_layer.weight [Vp, h]           |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+from megatron_lora.models.mixtral import MixtralInfo
+
+Slices = Tuple[slice, ...]
+
+
+class Direct:
+    """A chunk that is one HF tensor as is."""
+
+    def __init__(self, name: str, shape: Tuple[int, ...]):
+        self.name, self.shape = name, tuple(shape)
+
+    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {self.name: self.shape}
+
+    def read(self, reader, index: Slices) -> torch.Tensor:
+        full = all(s.start == 0 and s.stop == n for s, n in zip(index, self.shape))
+        return reader.read(self.name, None if full else index)
+
+    def split(self, data: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {self.name: data.reshape(self.shape)}
+
+
+class Zeros:
+    """Padding rows (of the padded vocabulary): zeros on import, dropped on export."""
+
+    def __init__(self, shape: Tuple[int, ...], dtype: torch.dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {}
+
+    def read(self, reader, index: Slices) -> torch.Tensor:
+        return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype)
+
+    def split(self, data: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {}
+
+
+class QKV:
+    """megatron's fused QKV weight [(n+2g)*d, h] built from HF q [n*d, h], k, v [g*d, h].
+
+    Rows are grouped by query group j (0..g-1): the n/g query heads of group j, then k head j,
+    then v head j. Reading rows r0..r1 touches only the HF rows those rows come from.
+    """
+
+    def __init__(self, q: str, k: str, v: str, heads: int, groups: int, head_dim: int, hidden: int):
+        self.names = (q, k, v)
+        self.groups, self.d, self.hidden = groups, head_dim, hidden
+        self.qpg = heads // groups
+        self.block = (self.qpg + 2) * head_dim  # rows per query group
+        self.shape = (groups * self.block, hidden)
+
+    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        q, k, v = self.names
+        kv = (self.groups * self.d, self.hidden)
+        return {q: (self.groups * self.qpg * self.d, self.hidden), k: kv, v: kv}
+
+    def _segments(self, r0: int, r1: int):
+        """(hf name, first HF row, rows) runs covering fused rows r0..r1, in order."""
+        parts = ((0, self.qpg * self.d), (self.qpg * self.d, self.d), ((self.qpg + 1) * self.d, self.d))
+        for j in range(r0 // self.block, (r1 - 1) // self.block + 1):
+            for name, (start, rows), width in zip(self.names, parts, (self.qpg * self.d, self.d, self.d)):
+                lo = max(r0, j * self.block + start)
+                hi = min(r1, j * self.block + start + rows)
+                if lo < hi:
+                    yield name, j * width + lo - j * self.block - start, hi - lo
+
+    def read(self, reader, index: Slices) -> torch.Tensor:
+        rows, cols = index
+        pieces = [reader.read(name, (slice(a, a + n), cols)) for name, a, n in
+                  self._segments(rows.start, rows.stop)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+    def split(self, data: torch.Tensor) -> Dict[str, torch.Tensor]:
+        blocks = data.reshape(self.groups, self.block, self.hidden)
+        q_rows = self.qpg * self.d
+        q, k, v = self.names
+        return {
+            q: blocks[:, :q_rows].reshape(-1, self.hidden).contiguous(),
+            k: blocks[:, q_rows:q_rows + self.d].reshape(-1, self.hidden).contiguous(),
+            v: blocks[:, q_rows + self.d:].reshape(-1, self.hidden).contiguous(),
+        }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a megatron tensor: offsets/sizes over the full (stacked) shape; sizes are
+    (1,)*k + source.shape, the leading 1s being the layer (and expert) axes."""
+
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    source: object
+
+
+@dataclass(frozen=True)
+class McoreTensor:
+    key: str
+    shape: Tuple[int, ...]
+    chunks: Tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class ExtraState:
+    """A megatron ShardedObject (a linear's `_extra_state`; None for local and non-fp8 layers)."""
+
+    unique_key: str
+
+
+def _vocab_tensor(key: str, hf_name: str, info: MixtralInfo, dtype) -> McoreTensor:
+    v, vp, h = info.vocab_size, info.shape.vocab_size, info.shape.hidden_size
+    chunks = [Chunk((0, 0), (v, h), Direct(hf_name, (v, h)))]
+    if vp > v:
+        chunks.append(Chunk((v, 0), (vp - v, h), Zeros((vp - v, h), dtype)))
+    return McoreTensor(key, (vp, h), tuple(chunks))
+
+
+def mcore_tensors(info: MixtralInfo, dtype: torch.dtype = None) -> List[McoreTensor]:
+    """Every megatron tensor of the model with the chunks that make it, in HF order.
+
+    dtype: the dtype of zero padding rows (the checkpoint's dtype; default info.dtype).
+    """
+    s = info.shape
+    dtype = dtype or info.dtype
+    L, E, h, f, d = s.num_layers, s.num_experts, s.hidden_size, s.ffn_hidden_size, info.head_dim
+    n, g = s.num_attention_heads, s.num_query_groups
+    out = [_vocab_tensor("embedding.word_embeddings.weight", "model.embed_tokens.weight", info, dtype)]
+    per_layer: Dict[str, List[Chunk]] = {}
+
+    def layer(key: str, l: int, source) -> None:
+        per_layer.setdefault(key, []).append(Chunk((l,) + (0,) * len(source.shape), (1,) + source.shape, source))
+
+    def expert(key: str, l: int, e: int, row: int, source) -> None:
+        offsets = (l, e, row) + (0,) * (len(source.shape) - 1)
+        per_layer.setdefault(key, []).append(Chunk(offsets, (1, 1) + source.shape, source))
+
+    attn, mlp = "decoder.layers.self_attention.", "decoder.layers.mlp."
+    for l in range(L):
+        p = f"model.layers.{l}."
+        layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + "input_layernorm.weight", (h,)))
+        layer(attn + "linear_qkv.weight", l, QKV(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                                 p + "self_attn.v_proj.weight", n, g, d, h))
+        layer(attn + "linear_proj.weight", l, Direct(p + "self_attn.o_proj.weight", (h, n * d)))
+        layer(mlp + "linear_fc1.layer_norm_weight", l, Direct(p + "post_attention_layernorm.weight", (h,)))
+        layer(mlp + "router.weight", l, Direct(p + "block_sparse_moe.gate.weight", (E, h)))
+        for e in range(E):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            expert(mlp + "experts.experts.linear_fc1.weight", l, e, 0, Direct(x + "w1.weight", (f, h)))
+            expert(mlp + "experts.experts.linear_fc1.weight", l, e, f, Direct(x + "w3.weight", (f, h)))
+            expert(mlp + "experts.experts.linear_fc2.weight", l, e, 0, Direct(x + "w2.weight", (h, f)))
+    shapes = {
+        attn + "linear_qkv.layer_norm_weight": (L, h),
+        attn + "linear_qkv.weight": (L, (n + 2 * g) * d, h),
+        attn + "linear_proj.weight": (L, h, n * d),
+        mlp + "linear_fc1.layer_norm_weight": (L, h),
+        mlp + "router.weight": (L, E, h),
+        mlp + "experts.experts.linear_fc1.weight": (L, E, 2 * f, h),
+        mlp + "experts.experts.linear_fc2.weight": (L, E, h, f),
+    }
+    out += [McoreTensor(k, shapes[k], tuple(c)) for k, c in per_layer.items()]
+    out.append(McoreTensor("decoder.final_layernorm.weight", (h,), (Chunk((0,), (h,), Direct("model.norm.weight", (h,))),)))
+    if not s.tie_embeddings:
+        out.append(_vocab_tensor("output_layer.weight", "lm_head.weight", info, dtype))
+    return out
+
+
+def extra_states(info: MixtralInfo) -> List[ExtraState]:
+    """The ShardedObjects megatron-core's sharded state dict has for this model (all None)."""
+    L, E = info.shape.num_layers, info.shape.num_experts
+    out = []
+    for l in range(L):
+        for name in ("linear_proj", "linear_qkv"):
+            out.append(ExtraState(f"decoder.layers.self_attention.{name}._extra_state/shard_{l}_{L}"))
+        for e in range(E):
+            for name in ("linear_fc1", "linear_fc2"):
+                out.append(ExtraState(
+                    f"decoder.layers.mlp.experts.experts.{name}._extra_state/shard_{l}.{e}_{L}.{E}"))
+    return out
+
+
+def hf_shapes(info: MixtralInfo) -> Dict[str, Tuple[int, ...]]:
+    """Every HF tensor name the model has, with the shape config.json implies."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for t in mcore_tensors(info):
+        for c in t.chunks:
+            out.update(c.source.hf_shapes())
+    return out
+
+
+# HF tensors that carry no weights and may be present in older checkpoints.
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,0 +1,238 @@
+"""Mixtral in megatron-core, configured from a Hugging Face `config.json`.
+
+`MixtralInfo.from_hf_config(cfg)` checks that a config describes a model megatron-core reproduces
+exactly (Mixtral architecture, SiLU experts, plain RoPE, no biases, no effective sliding window)
+and turns it into a `ModelShape`. The vocabulary is padded to a multiple of `VOCAB_MULTIPLE` (128)
+rows, the same for every layout, so one checkpoint loads at any TP that divides the padded
+vocabulary; the padded rows are zero and `logits` drops their columns.
+
+`mixtral_block_spec` picks the layer spec: Transformer Engine layers when TE is importable and
+requested (GPU), otherwise the local spec with the sequence-parallel RMSNorm (CPU or GPU). Both
+specs have the same sharded-state-dict keys, so one checkpoint serves both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_lora.models.gpt import ModelShape, transformer_config
+from megatron_lora.runtime.layout import LayoutError, ParallelLayout
+
+VOCAB_MULTIPLE = 128
+MIXTRAL_ARCHITECTURES = ("MixtralForCausalLM",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MixtralConfigError(ValueError):
+    """A config.json that is not a Mixtral model megatron_lora can reproduce; names the field."""
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Smallest multiple of `multiple` that is >= vocab_size (layout independent)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class MixtralInfo:
+    """A Mixtral model as megatron_lora builds it.
+
+    shape: megatron sizes, with `shape.vocab_size` the padded vocabulary.
+    vocab_size: the model's real vocabulary (rows of HF `embed_tokens`, columns of logits).
+    dtype: the checkpoint's parameter dtype (config.json `dtype` / `torch_dtype`).
+    hf_config: the config.json dict, kept to write it back on export.
+    """
+
+    shape: ModelShape
+    vocab_size: int
+    dtype: torch.dtype
+    hf_config: dict = field(repr=False, compare=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.hidden_size // self.shape.num_attention_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "MixtralInfo":
+        """Validate a Hugging Face Mixtral config dict; raise MixtralConfigError naming the field."""
+
+        def bad(msg: str) -> MixtralConfigError:
+            return MixtralConfigError(f"{source}: {msg}")
+
+        archs = cfg.get("architectures") or []
+        if not (set(archs) & set(MIXTRAL_ARCHITECTURES)) and cfg.get("model_type") != "mixtral":
+            raise bad(
+                f"architectures={archs} (model_type={cfg.get('model_type')!r}) is not a Mixtral "
+                f"model; supported: {list(MIXTRAL_ARCHITECTURES)}"
+            )
+
+        def integer(name: str, default=None) -> int:
+            value = cfg.get(name, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(f"field {name}={value!r} must be a positive integer")
+            return value
+
+        heads = integer("num_attention_heads")
+        hidden = integer("hidden_size")
+        vocab = integer("vocab_size")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise bad(f"field hidden_act={cfg['hidden_act']!r}: only 'silu' is supported")
+        head_dim = cfg.get("head_dim")
+        if head_dim is not None and head_dim * heads != hidden:
+            raise bad(
+                f"field head_dim={head_dim} differs from hidden_size/num_attention_heads="
+                f"{hidden}/{heads}; megatron_lora supports head_dim = hidden_size/num_attention_heads"
+            )
+        for name in ("attention_bias", "mlp_bias"):
+            if cfg.get(name):
+                raise bad(f"field {name}=true: biases are not supported")
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type != "default":
+            raise bad(f"field rope_type={rope_type!r}: only unscaled ('default') RoPE is supported")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 1e6))
+        if not isinstance(theta, (int, float)) or theta <= 0 or float(theta) != int(theta):
+            raise bad(f"field rope_theta={theta!r} must be a positive whole number")
+        max_pos = integer("max_position_embeddings", 131072)
+        window = cfg.get("sliding_window")
+        if window is not None and window < max_pos:
+            raise bad(
+                f"field sliding_window={window} is smaller than max_position_embeddings={max_pos}; "
+                f"sliding-window attention is not supported"
+            )
+        dtype_name = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
+        if dtype_name not in _DTYPES:
+            raise bad(f"field dtype={dtype_name!r}: expected one of {sorted(_DTYPES)}")
+        try:
+            shape = ModelShape(
+                vocab_size=padded_vocab_size(vocab),
+                hidden_size=hidden,
+                ffn_hidden_size=integer("intermediate_size"),
+                num_layers=integer("num_hidden_layers"),
+                num_attention_heads=heads,
+                num_query_groups=integer("num_key_value_heads", heads),
+                num_experts=integer("num_local_experts"),
+                moe_router_topk=integer("num_experts_per_tok"),
+                max_position_embeddings=max_pos,
+                rotary_base=float(theta),
+                norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            )
+        except ValueError as exc:
+            raise bad(str(exc).replace("ModelShape.", "derived ")) from exc
+        return cls(shape=shape, vocab_size=vocab, dtype=_DTYPES[dtype_name], hf_config=dict(cfg))
+
+    def config_fields(self) -> str:
+        """The config.json fields that fix tensor shapes, for error messages."""
+        c = self.hf_config
+        names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "num_local_experts")
+        return ", ".join(f"{n}={c.get(n)}" for n in names)
+
+    def layout_problems(self, layout: ParallelLayout, world_size: int) -> list:
+        """Every reason `layout` cannot run this model on `world_size` ranks (pure, no comms)."""
+        problems = layout.problems(world_size, **self.shape.layout_sizes())
+        if self.shape.vocab_size % layout.tp:
+            problems.append(
+                f"tp={layout.tp} does not divide the padded vocabulary {self.shape.vocab_size} "
+                f"(vocab_size={self.vocab_size} padded to a multiple of {VOCAB_MULTIPLE})"
+            )
+        return problems
+
+    def validate_layout(self, layout: ParallelLayout, world_size: int) -> None:
+        """Raise LayoutError on every rank, before any collective, if the layout does not fit."""
+        problems = self.layout_problems(layout, world_size)
+        if problems:
+            raise LayoutError(problems)
+
+
+def read_hf_config(path: str) -> MixtralInfo:
+    """MixtralInfo from a config.json file (or a directory holding one)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise MixtralConfigError(f"{path}: file not found") from None
+    except json.JSONDecodeError as exc:
+        raise MixtralConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise MixtralConfigError(f"{path}: expected a JSON object")
+    return MixtralInfo.from_hf_config(cfg, source=path)
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = None):
+    """TransformerBlock spec for this pipeline stage.
+
+    use_te: True requires Transformer Engine (TE linears fused with RMSNorm, TENorm final norm,
+    SequentialMLP experts of TE linears); False is the local spec; None picks TE when it is
+    importable and CUDA is usable.
+    """
+    from megatron_lora.models.specs import local_block_spec
+
+    if use_te is None:
+        use_te = te_available() and torch.cuda.is_available()
+    if not use_te:
+        return local_block_spec(config, pp_rank=pp_rank)
+    if not te_available():
+        raise RuntimeError("use_te=True but transformer_engine is not importable")
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = get_gpt_layer_with_transformer_engine_spec(config.num_moe_experts, moe_grouped_gemm=False)
+    num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TENorm),
+    )
+
+
+def mixtral_config(info: MixtralInfo, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32,
+                   dispatcher: str = "allgather", **overrides):
+    """megatron-core TransformerConfig for `info` at `layout` (RMSNorm, SwiGLU, top-k softmax
+    router without load balancing, RoPE from config.json)."""
+    return transformer_config(info.shape, layout, dtype=dtype, dispatcher=dispatcher, **overrides)
+
+
+def build_mixtral_model(info: MixtralInfo, config, use_te: Optional[bool] = None):
+    """This pipeline stage's GPTModel for `info` (megatron parallel state must be initialised).
+
+    The model's vocabulary is the padded one ([Vp/tp, h] embedding and output shards per TP rank);
+    its logits are [b, s, Vp/tp] per TP rank with parallel_output=True.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=mixtral_block_spec(config, pp_rank=pp_rank, use_te=use_te),
+        vocab_size=info.shape.vocab_size,
+        max_sequence_length=info.shape.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=info.shape.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(info.shape.rotary_base),
+    )

@@ -54,8 +54,20 @@ class World:
     procs: List[Any] = field(default_factory=list)
     _next_task: int = 0
 
-    def start(self) -> "World":
+    def start(self, attempts: int = 3) -> "World":
+        """Start the ranks; a rendezvous port taken in the meantime by another process is
+        retried with a fresh port."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except WorldError as e:
+                if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "World":
         ctx = mp.get_context("spawn")
+        self.procs = []
         self._log_dir = tempfile.mkdtemp(prefix=f"mlora-world{self.size}-")
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(self.size)]

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -126,7 +127,13 @@ def write_torch_dist(
                                   thread_count=threads, overwrite=False)
     with warnings.catch_warnings():  # DCP warns that it saves from a single process: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
+        try:
+            dcp.save({}, storage_writer=writer, planner=_LazyPlanner(items, resolve), no_dist=True)
+        except CheckpointException as exc:  # DCP wraps errors; re-raise the first original one
+            failure = next(iter(exc.failures.values()), None)
+            if failure is not None and isinstance(failure[0], Exception):
+                raise failure[0] from None
+            raise
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump(MEGATRON_METADATA, f)
     torch.save({}, os.path.join(directory, "common.pt"))

@@ -36,6 +36,8 @@ class Case:
     dropout: float = 0.0
     train_base_weight: bool = False
     finalize: bool = True  # reduce SP-partial grads over TP as finalize_model_grads does
+    ddp: bool = False  # wrap in megatron DDP and call finalize_model_grads itself
+    te_style: bool = False  # wrap the base in a shim exposing only TE-style attributes
 
     def name(self) -> str:
         parts = [self.mode, "sp" if self.sp else "nosp"]
@@ -48,6 +50,10 @@ class Case:
             parts.append(f"p{self.dropout}")
         if self.train_base_weight:
             parts.append("trainW")
+        if self.ddp:
+            parts.append("ddp+finalize_model_grads")
+        if self.te_style:
+            parts.append("te-style")
         return "/".join(parts)
 
 
@@ -67,6 +73,15 @@ def all_cases(tp: int, dropouts=(0.0, 0.25)) -> List[Case]:
             out.append(Case("column", sp, gather, True, True, False, train_base_weight=True))
         for parallel_in in ([True] if sp else [True, False]):
             out.append(Case("row", sp, False, parallel_in, True, False, train_base_weight=True))
+        if sp:
+            # The real thing: megatron DDP (main_grad buffers) + finalize_model_grads.
+            out.append(Case("column", True, False, True, True, True, 0.25, ddp=True))
+            out.append(Case("row", True, False, True, True, False, 0.25, ddp=True))
+        if tp > 1:
+            # A base described only by parallel_mode / in_features / tp_group (TE's attributes).
+            for p in (0.0, 0.25):
+                out.append(Case("column", sp, False, True, True, True, p, te_style=True))
+                out.append(Case("row", sp, False, True, True, False, p, te_style=True))
     return out
 
 
@@ -115,6 +130,28 @@ def finalize_tp_grads(module: torch.nn.Module, config: ModelParallelConfig) -> N
     fmg._allreduce_non_tensor_model_parallel_grads([_Chunk(module)], config, tp_group())
 
 
+class TEStyleLinear(torch.nn.Module):
+    """Stands in for a Transformer Engine linear: it is no megatron ColumnParallelLinear /
+    RowParallelLinear and exposes only TE's attribute names (parallel_mode, in_features,
+    out_features, tp_group, tp_size, sequence_parallel); the arithmetic is the wrapped megatron
+    layer's, so the reference comparison still applies."""
+
+    def __init__(self, inner, mode: str):
+        super().__init__()
+        self._inner = [inner]  # not a submodule: the adapter must not find megatron attributes
+        self.parallel_mode = mode
+        self.in_features = inner.input_size
+        self.out_features = inner.output_size
+        self.tp_group = inner.tp_group
+        self.tp_size = dist.get_world_size(inner.tp_group)
+        self.sequence_parallel = inner.sequence_parallel
+        self.weight = inner.weight
+        self.bias = inner.bias
+
+    def forward(self, x):
+        return self._inner[0](x)
+
+
 def build(case: Case, tp: int, seed: int = 7, adapter_seed: int = 11, dtype=torch.float32):
     """Base layer with the same global weight and bias at any layout, and its adapter."""
     # A TransformerConfig (a ModelParallelConfig) because finalize_model_grads reads its fields.
@@ -141,6 +178,8 @@ def build(case: Case, tp: int, seed: int = 7, adapter_seed: int = 11, dtype=torc
         global_bias = torch.randn(OUT, generator=g)
         with torch.no_grad():
             base.bias.copy_(shard(global_bias, 0) if case.mode == "column" else global_bias)
+    if case.te_style:
+        base = TEStyleLinear(base, case.mode)
     adapter = LoraAdapter(
         base, AdapterConfig(rank=RANK, alpha=8.0, dropout=case.dropout, init_lora_weights=False),
         seed=adapter_seed,
@@ -181,8 +220,13 @@ def run_case(case: Case, tp: int) -> Dict[str, object]:
     config, base, adapter = build(case, tp)
     x_global, g_out, g_bias = global_batch()
     x = local_input(case, x_global).clone().requires_grad_(True)
+    model = adapter
+    if case.ddp:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(), module=adapter)
     rng = torch.get_rng_state()
-    out, bias_ret = adapter(x)
+    out, bias_ret = model(x)
     key = None
     if case.dropout:
         after = torch.get_rng_state()
@@ -204,7 +248,11 @@ def run_case(case: Case, tp: int) -> Dict[str, object]:
     if bias_separate:
         partial_part = partial_part + (bias_ret * shard(g_bias, 0)).sum()
     (replicated_part + partial_part).backward()
-    if case.finalize:
+    if case.ddp:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([model])
+    elif case.finalize:
         finalize_tp_grads(adapter, config)
     loss = replicated_part.detach() + _sum_over_tp(partial_part.detach())
 
@@ -233,17 +281,17 @@ def run_case(case: Case, tp: int) -> Dict[str, object]:
         "output": (out, local_output(case, ref_out)),
         "loss": (loss, ref_loss.detach()),
         "grad_input": (x.grad, local_input(case, xr.grad)),
-        "grad_A": (adapter.lora_A.grad, a.grad if col else shard(a.grad, 1)),
-        "grad_B": (adapter.lora_B.grad, shard(b.grad, 0) if col else b.grad),
+        "grad_A": (_grad(adapter.lora_A), a.grad if col else shard(a.grad, 1)),
+        "grad_B": (_grad(adapter.lora_B), shard(b.grad, 0) if col else b.grad),
     }
-    if case.bias and (base.bias.grad is not None or case.skip_bias_add or not col
+    if case.bias and (_grad(base.bias) is not None or case.skip_bias_add or not col
                       or case.train_base_weight):
         # megatron-core's frozen-weight linear (LinearWithFrozenWeight) adds a non-skipped column
         # bias inside its autograd function and returns no gradient for it: with a frozen base
         # weight that bias cannot train (a megatron limitation, not the adapter's).
-        checks["grad_bias"] = (base.bias.grad, shard(gb.grad, 0) if col else gb.grad)
+        checks["grad_bias"] = (_grad(base.bias), shard(gb.grad, 0) if col else gb.grad)
     if case.train_base_weight:
-        checks["grad_base_weight"] = (base.weight.grad, shard(w.grad, 0 if col else 1))
+        checks["grad_base_weight"] = (_grad(base.weight), shard(w.grad, 0 if col else 1))
     failures, errors = [], {}
     for name, (got, want) in checks.items():
         if got is None or got.shape != want.shape:
@@ -259,6 +307,13 @@ def run_case(case: Case, tp: int) -> Dict[str, object]:
     if (not case.skip_bias_add or not case.bias) and bias_ret is not None:
         failures.append("returned_bias")
     return {"failures": failures, "errors": errors}
+
+
+def _grad(p: torch.nn.Parameter):
+    """The gradient megatron's optimizer would read: DDP's main_grad buffer, else .grad."""
+    if hasattr(p, "main_grad") and p.main_grad is not None:
+        return p.main_grad
+    return p.grad
 
 
 def _sum_over_tp(t: torch.Tensor) -> torch.Tensor:

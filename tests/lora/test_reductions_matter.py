@@ -6,6 +6,7 @@ quantities that reduction feeds. A last scenario shows why every numeric test us
 with B = 0 the same broken reduction goes unnoticed.
 """
 
+import pytest
 import torch
 
 from megatron_lora.lora import collectives as C
@@ -79,8 +80,9 @@ def _run(case, patch):
         return run_case(case, 2)["failures"]
 
 
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2)], ids=["TP2"])
 @multirank(world_size=2, timeout=300)
-def test_disabling_each_reduction_breaks_parity(layout=ParallelLayout(tp=2)):
+def test_disabling_each_reduction_breaks_parity(layout):
     problems = []
     for name, case, patch, expected in SCENARIOS:
         clean = run_case(replace(case, finalize=True), 2)["failures"]
@@ -92,8 +94,9 @@ def test_disabling_each_reduction_breaks_parity(layout=ParallelLayout(tp=2)):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2)], ids=["TP2"])
 @multirank(world_size=2, timeout=300)
-def test_zero_B_hides_a_missing_reduction(layout=ParallelLayout(tp=2)):
+def test_zero_B_hides_a_missing_reduction(layout):
     """The reason every numeric test uses init_lora_weights=False (non-zero B)."""
     original = S.build
 

@@ -73,6 +73,23 @@ def _shard(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
     return t.narrow(dim, rank * part, part)
 
 
+def _up(u: torch.Tensor, b: torch.Tensor, add_to: Optional[torch.Tensor]) -> torch.Tensor:
+    """u [..., r] @ b^T [r, n] (+ add_to [..., n]).
+
+    With add_to (the base output) the sum is one addmm: the up-projection accumulates into a
+    single fresh [tokens, n] buffer instead of materialising the LoRA term and then a second
+    buffer for the sum. addmm keeps u and b for backward, exactly as F.linear would.
+    """
+    b = b.to(u.dtype)
+    if add_to is None:
+        return F.linear(u, b)
+    if add_to.dtype != u.dtype or add_to.shape[:-1] != u.shape[:-1]:
+        return add_to + F.linear(u, b).to(add_to.dtype)
+    n = add_to.shape[-1]
+    out = torch.addmm(add_to.reshape(-1, n), u.reshape(-1, u.shape[-1]), b.t())
+    return out.view(add_to.shape)
+
+
 class LoraAdapter(torch.nn.Module):
     """A LoRA adapter around a megatron column- or row-parallel linear.
 
@@ -157,7 +174,7 @@ class LoraAdapter(torch.nn.Module):
         output, bias = self.base_layer(input_, *args, **kwargs)
         if self.merged or self._disabled:
             return output, bias
-        return output + self.lora_delta(input_, self._gathers_output(args, kwargs)), bias
+        return self._lora(input_, self._gathers_output(args, kwargs), add_to=output), bias
 
     def _gathers_output(self, args, kwargs) -> bool:
         # ColumnParallelLinear.forward(input_, weight=None, runtime_gather_output=None)
@@ -168,6 +185,9 @@ class LoraAdapter(torch.nn.Module):
 
     def lora_delta(self, input_: torch.Tensor, gather_output: Optional[bool] = None):
         """scale * dropout(input_) A^T B^T in the parallel state of the base's output."""
+        return self._lora(input_, gather_output)
+
+    def _lora(self, input_, gather_output=None, add_to=None):
         g = self.geometry
         group = g.tp_group
         p = self.config.dropout if self.training else 0.0
@@ -188,7 +208,7 @@ class LoraAdapter(torch.nn.Module):
                 # gradients of A and of the input complete.
                 u = C.grad_all_reduce(u, group)
             b = C.gather_weight(self.lora_B, group, 0) if gather_output else self.lora_B
-            return F.linear(u, b.to(u.dtype))
+            return _up(u, b, add_to)
         if g.input_is_parallel:
             # Input [s, b, in/t]: the product with this rank's A columns is a partial sum.
             offset = g.tp_rank * g.in_local
@@ -201,7 +221,7 @@ class LoraAdapter(torch.nn.Module):
             # Input replicated [s, b, in]: gather A (a weight) rather than any activation.
             a = C.gather_weight(self.lora_A, group, 1)
             u = lora_down(input_, a, self.scaling, p, key, 0, 0)
-        return F.linear(u, self.lora_B.to(u.dtype))
+        return _up(u, self.lora_B, add_to)
 
     # ---------------------------------------------------------------------------------------
     # merge / disable

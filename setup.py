@@ -17,6 +17,8 @@ setup(
         "psutil",
         "tqdm",
         "tokenizers",
+        "tensorboardX",
+        "matplotlib",
     ],
     extras_require={
         # NVIDIA apex is built from source; the PyPI package named "apex" is unrelated.

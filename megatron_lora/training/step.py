@@ -39,11 +39,24 @@ def _loss_func(loss_mask: torch.Tensor, global_tokens: float, output_tensor: tor
 
 
 def _forward_step(global_tokens: float, data_iterator, model):
-    tokens, labels, loss_mask = next(data_iterator)
+    tokens, labels, loss_mask, attention_mask = next(data_iterator)
     seq = tokens.shape[1]
     position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, attention_mask=None, labels=labels)
+    output = model(tokens, position_ids, attention_mask=attention_mask, labels=labels)
     return output, partial(_loss_func, loss_mask, global_tokens)
+
+
+def finalize_pre_normalised_grads(model_chunks, num_tokens=None, **kwargs):
+    """megatron's finalize_model_grads without its division by the token count.
+
+    Our loss is already divided by the global token count (see _loss_func), and with
+    calculate_per_token_loss=True megatron's DDP sums (not averages) gradients over DP, so the
+    reduced gradients are exactly those of the global mean loss; dividing again would be wrong.
+    Set as `config.finalize_model_grads_func` when training with megatron's DDP.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model_chunks, None, **kwargs)
 
 
 def forward_backward(
@@ -51,6 +64,7 @@ def forward_backward(
     tokens: torch.Tensor,
     labels: torch.Tensor,
     loss_mask: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
     *,
     micro_batch_size: int = 1,
     forward_only: bool = False,
@@ -58,6 +72,7 @@ def forward_backward(
     """Run forward (and backward) over this DP rank's share of the global batch.
 
     tokens, labels, loss_mask: [B, S], the global batch, replicated on every rank.
+    attention_mask: optional [B, 1, S, S] bool, True = masked (packed samples); None = causal.
     Gradients accumulate into `.grad` (or megatron DDP's main_grad) scaled so that they are the
     gradient of (sum of this DP rank's token losses) / (tokens in the global batch); summing them
     over DP gives the gradient of the global mean loss.
@@ -66,6 +81,8 @@ def forward_backward(
     if loss_mask is None:
         loss_mask = torch.ones_like(tokens, dtype=torch.float32)
     tokens, labels, loss_mask = (data_parallel_slice(t) for t in (tokens, labels, loss_mask))
+    if attention_mask is not None:
+        attention_mask = data_parallel_slice(attention_mask)
     if tokens.shape[0] % micro_batch_size:
         raise ValueError(
             f"per-DP-rank batch {tokens.shape[0]} is not divisible by micro_batch_size "
@@ -74,7 +91,8 @@ def forward_backward(
     num_micro = tokens.shape[0] // micro_batch_size
     micro = [
         (tokens[i : i + micro_batch_size], labels[i : i + micro_batch_size],
-         loss_mask[i : i + micro_batch_size])
+         loss_mask[i : i + micro_batch_size],
+         None if attention_mask is None else attention_mask[i : i + micro_batch_size])
         for i in range(0, tokens.shape[0], micro_batch_size)
     ]
     config = model_chunks[0].config

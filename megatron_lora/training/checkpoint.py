@@ -1,0 +1,219 @@
+"""Trainable-only (adapter) checkpoints through megatron dist_checkpointing, resumable at any layout.
+
+Layout on disk:
+    SAVE/latest_checkpointed_iteration.txt     the tracker: the newest complete iteration
+    SAVE/iter_0000020/                         a megatron torch_dist checkpoint:
+        model.*      trainable parameters only (the frozen base is never saved again)
+        optimizer.*  megatron optimizer state for those parameters
+        common       scheduler, iteration, consumed samples, run config (plain data)
+    SAVE/iter_0000020/rng/rank_00003.pt         per-rank RNG states (tensors only)
+
+A checkpoint is written into `iter_XXXXXXX.tmp`, renamed into place when every rank has finished,
+and only then is the tracker replaced (write to a temporary file + os.replace). A crash at any
+point leaves the previous checkpoint and the tracker pointing at it; `.tmp` folders are never
+loaded. Everything is loaded with torch.load(weights_only=True): no pickled code runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
+    iteration = int(text)
+    if not os.path.isdir(iteration_dir(root, iteration)):
+        raise FileNotFoundError(f"{path} names iteration {iteration} but "
+                                f"{iteration_dir(root, iteration)} does not exist")
+    return iteration
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, f".{TRACKER}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
+
+
+def trainable_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> Dict:
+    """Sharded state dict entries of trainable parameters only, per model chunk."""
+    if len(model_chunks) != 1:
+        raise NotImplementedError("virtual pipeline stages (several model chunks) are not supported")
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    out = {}
+    for i, chunk in enumerate(model_chunks):
+        module = getattr(chunk, "module", chunk)
+        trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+        full = module.sharded_state_dict(metadata=metadata)
+        out[f"model{i}"] = {k: v for k, v in full.items() if k in trainable}
+        missing = trainable - set(out[f"model{i}"])
+        if missing:
+            raise RuntimeError(f"trainable parameters without a sharded state dict entry: "
+                               f"{sorted(missing)[:5]}")
+    return out
+
+
+def _rng_state() -> Dict[str, torch.Tensor]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor(list(py[1]), dtype=torch.int64),
+        "python_pos": torch.tensor([py[1][-1], py[0]]),
+        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": torch.tensor([np_state[2]]),
+    }
+    for name, s in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        state[f"tracker/{name}"] = s if isinstance(s, torch.Tensor) else torch.as_tensor(s)
+    return state
+
+
+def _set_rng_state(state: Dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(int(x) for x in state["python"].tolist()), None))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32),
+                         int(state["numpy_pos"][0]), 0, 0.0))
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.set_states({k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("tracker/")})
+
+
+def _param_pairs(optimizer):
+    """(torch optimizer, model param, main param) for every parameter of a megatron optimizer.
+
+    The main param is the fp32 master copy for bf16 training, the model param itself in fp32.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        if hasattr(sub, "float16_groups"):
+            for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+                for model_p, main_p in zip(model_group, main_group):
+                    yield inner, model_p, main_p
+            for group in sub.fp32_from_fp32_groups:
+                for p in group:
+                    yield inner, p, p
+        else:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    yield inner, p, p
+
+
+def optimizer_sharded_state(model_sd: Dict, optimizer, for_loading: bool = False) -> Dict:
+    """Adam moments (and bf16 master weights) as ShardedTensors laid out like their parameters.
+
+    Each state tensor is keyed by its parameter's global checkpoint key, so it reshards to any
+    TP/PP/EP/DP layout exactly as the parameter does. (megatron's own optimizer checkpoint keys
+    depend on how many sub-optimizers a layout has, e.g. a separate expert optimizer under EP, and
+    so do not move between layouts.) The Adam step is the iteration number.
+    """
+    # ShardedTensor keys name a parameter across layers (the layer is an extra sharded axis), so
+    # entries are indexed by the model's local state-dict name instead.
+    by_ptr = {t.data.data_ptr(): (name, t) for name, t in model_sd.items()}
+    out = {}
+    for inner, model_p, main_p in _param_pairs(optimizer):
+        if model_p.data_ptr() not in by_ptr:
+            raise RuntimeError("an optimized parameter has no checkpoint entry")
+        local, sharded = by_ptr[model_p.data_ptr()]
+        state = inner.state[main_p]
+        if for_loading and not state:
+            state.update({name: torch.zeros_like(main_p) for name in _ADAM_STATES})
+        names = list(_ADAM_STATES) + (["main_param"] if main_p is not model_p else [])
+        for name in names:
+            data = main_p.data if name == "main_param" else state[name]
+            out[f"{name}/{local}"] = dataclasses.replace(
+                sharded, key=f"optimizer.{name}.{sharded.key}", data=data, dtype=data.dtype
+            )
+    return out
+
+
+def _set_optimizer_state(model_sd: Dict, optimizer, loaded: Dict, iteration: int) -> None:
+    by_ptr = {t.data.data_ptr(): name for name, t in model_sd.items()}
+    for inner, model_p, main_p in _param_pairs(optimizer):
+        key = by_ptr[model_p.data_ptr()]
+        state = inner.state[main_p]
+        for name in _ADAM_STATES:
+            state[name] = loaded[f"{name}/{key}"].to(main_p.dtype)
+        state["step"] = torch.tensor(float(iteration))
+        if main_p is not model_p:
+            main_p.data.copy_(loaded[f"main_param/{key}"])
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
+                    common: Dict) -> str:
+    """Save trainable params, optimizer, scheduler, RNG and `common` (plain data) atomically."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd = trainable_sharded_state_dict(model_chunks)
+    state = dict(model_sd)
+    state["optimizer"] = optimizer_sharded_state(model_sd["model0"], optimizer)
+    state["scheduler"] = scheduler.state_dict()
+    state["common"] = dict(common, iteration=iteration)
+    dist_checkpointing.save(state, tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank():05d}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_tracker(root, iteration)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model_chunks, optimizer, scheduler, layout_name: str,
+                    iteration: Optional[int] = None) -> Dict:
+    """Load the tracker's (or the given) iteration into model/optimizer/scheduler; returns common.
+
+    RNG states are per rank, so they are restored only when the checkpoint was written by as many
+    ranks in the same layout (`common["layout"] == layout_name`); otherwise the caller's seeding
+    stands.
+    """
+    iteration = read_tracker(root) if iteration is None else iteration
+    if iteration is None:
+        raise FileNotFoundError(f"no checkpoint in {root} (no {TRACKER})")
+    directory = iteration_dir(root, iteration)
+    common = dist_checkpointing.load_common_state_dict(directory)["common"]
+    model_sd = trainable_sharded_state_dict(model_chunks)
+    request = dict(model_sd)
+    request["optimizer"] = optimizer_sharded_state(model_sd["model0"], optimizer, for_loading=True)
+    loaded = dist_checkpointing.load(request, directory)
+    for i, chunk in enumerate(model_chunks):
+        module = getattr(chunk, "module", chunk)
+        missing, unexpected = module.load_state_dict(loaded[f"model{i}"], strict=False)
+        if unexpected:
+            raise RuntimeError(f"{directory}: unexpected keys {unexpected[:5]}")
+    _set_optimizer_state(model_sd["model0"], optimizer, loaded["optimizer"], iteration)
+    scheduler.load_state_dict(dist_checkpointing.load_common_state_dict(directory)["scheduler"])
+    rng_path = os.path.join(directory, "rng", f"rank_{dist.get_rank():05d}.pt")
+    same_layout = (common.get("world_size") == dist.get_world_size()
+                   and common.get("layout") == layout_name)
+    if same_layout and os.path.isfile(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=True))
+    return common

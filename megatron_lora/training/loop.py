@@ -1,0 +1,177 @@
+"""The training loop: global batches -> megatron schedule -> megatron optimizer -> checkpoints.
+
+`train(...)` works on any model whose trainable parameters are marked `requires_grad` (for LoRA:
+after apply_lora). The same run gives the same losses and the same trained parameters at any
+parallel layout: batches are global and replicated, the loss is the mean over every target token
+of the global batch, and gradients are summed over data-parallel ranks (training/step.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_lora.data.batches import PackedDataset
+from megatron_lora.training import checkpoint as ckpt
+from megatron_lora.training.logging import TrainingLog
+from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
+from megatron_lora.training.step import forward_backward
+
+
+class ResumeMismatchError(ValueError):
+    """A checkpoint that does not belong to this run's configuration (e.g. another LoRA rank)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    train_iters: int
+    log_interval: int = 1
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    eval_interval: Optional[int] = None
+    eval_iters: int = 1
+    tensorboard_dir: Optional[str] = None
+    seed: int = 1234
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters",
+                     "log_interval", "eval_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size={self.micro_batch_size}")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"save_interval must be >= 1, got {self.save_interval}")
+
+    def batch_problems(self, data_parallel_size: int) -> List[str]:
+        """Checked on every rank before training: no collective is needed to agree on it."""
+        per = self.micro_batch_size * data_parallel_size
+        if self.global_batch_size % per:
+            return [f"global_batch_size={self.global_batch_size} is not divisible by "
+                    f"micro_batch_size*data_parallel_size = {self.micro_batch_size}*"
+                    f"{data_parallel_size} = {per}"]
+        return []
+
+
+@dataclass
+class TrainResult:
+    losses: Dict[int, float]
+    iteration: int
+    consumed_samples: int
+    plot: Optional[str]
+    checkpoint: Optional[str]
+
+
+def train(
+    model_chunks: List[torch.nn.Module],
+    dataset: PackedDataset,
+    run: RunConfig,
+    optim: OptimConfig,
+    *,
+    layout_name: str,
+    run_metadata: Optional[Dict] = None,
+    load: Optional[str] = None,
+    eval_dataset: Optional[PackedDataset] = None,
+    stop_after: Optional[int] = None,
+    on_iteration: Optional[Callable[[int, float], None]] = None,
+) -> TrainResult:
+    """Train for run.train_iters iterations (resuming from `load` or `run.save` if they hold a
+    checkpoint). `run_metadata` (plain data, e.g. the LoRA config) is saved with checkpoints and
+    must match on resume. `stop_after` ends the loop early at that iteration (as a crash would)."""
+    problems = run.batch_problems(parallel_state.get_data_parallel_world_size())
+    if problems:
+        raise ValueError("; ".join(problems))
+    wrapped, optimizer, scheduler = wrap_for_training(model_chunks, optim)
+    iteration, consumed = 0, 0
+    source = load or run.save
+    if source and ckpt.read_tracker(source) is not None:
+        common = ckpt.load_checkpoint(source, wrapped, optimizer, scheduler, layout_name)
+        saved_meta = common.get("run_metadata")
+        if json.dumps(saved_meta, sort_keys=True) != json.dumps(run_metadata, sort_keys=True):
+            raise ResumeMismatchError(
+                f"checkpoint {source} was written with {saved_meta}, this run has {run_metadata}"
+            )
+        iteration, consumed = int(common["iteration"]), int(common["consumed_samples"])
+    rank0 = dist.get_rank() == 0
+    log = TrainingLog(rank0, run.train_iters, run.tensorboard_dir, start_iteration=iteration)
+    if rank0 and iteration:
+        log.message(f"resumed from {source} at iteration {iteration} "
+                    f"({consumed} samples consumed)")
+    losses: Dict[int, float] = {}
+    last_saved = None
+    while iteration < run.train_iters:
+        batch = dataset.batch(consumed, run.global_batch_size)
+        for chunk in wrapped:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = forward_backward(wrapped, batch.tokens, batch.labels, batch.loss_mask,
+                                batch.attention_mask, micro_batch_size=run.micro_batch_size)
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise FloatingPointError(f"iteration {iteration + 1}: optimizer step skipped "
+                                     f"(non-finite gradients, grad norm {grad_norm})")
+        scheduler.step(increment=1)  # warmup and decay are counted in iterations
+        iteration += 1
+        consumed += run.global_batch_size
+        losses[iteration] = float(loss)
+        if on_iteration is not None:
+            on_iteration(iteration, float(loss))
+        log.iteration(iteration, loss=float(loss), lr=optimizer.param_groups[0]["lr"],
+                      grad_norm=grad_norm, tokens=int(batch.loss_mask.sum()),
+                      consumed_samples=consumed, global_batch_size=run.global_batch_size,
+                      log=iteration % run.log_interval == 0 or iteration == run.train_iters)
+        if eval_dataset is not None and run.eval_interval and iteration % run.eval_interval == 0:
+            log.message(f" validation at iteration {iteration} | lm loss: "
+                        f"{evaluate(wrapped, eval_dataset, run):.6E}")
+        if run.save and run.save_interval and iteration % run.save_interval == 0:
+            last_saved = _save(run, iteration, consumed, wrapped, optimizer, scheduler,
+                               layout_name, run_metadata)
+            log.restart_clock()  # the next iteration's time excludes the save
+        if stop_after is not None and iteration >= stop_after:
+            break
+    finished = iteration == run.train_iters
+    if run.save and finished and last_saved != ckpt.iteration_dir(run.save, iteration):
+        last_saved = _save(run, iteration, consumed, wrapped, optimizer, scheduler,
+                           layout_name, run_metadata)
+    plot = None
+    if run.save or run.tensorboard_dir:
+        out_dir = run.save or run.tensorboard_dir
+        plot = log.close(os.path.join(out_dir, "loss_curve.png"))
+    else:
+        log.close(None)
+    return TrainResult(losses, iteration, consumed, plot, last_saved)
+
+
+def _save(run, iteration, consumed, wrapped, optimizer, scheduler, layout_name, run_metadata):
+    common = {
+        "consumed_samples": consumed,
+        "world_size": dist.get_world_size(),
+        "layout": layout_name,
+        "run_metadata": run_metadata,
+        "run_config": asdict(run),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    return ckpt.save_checkpoint(run.save, iteration, wrapped, optimizer, scheduler, common)
+
+
+@torch.no_grad()
+def evaluate(wrapped, dataset: PackedDataset, run: RunConfig) -> float:
+    """Mean token loss over run.eval_iters global batches of `dataset` (from its start)."""
+    total = 0.0
+    for k in range(run.eval_iters):
+        batch = dataset.batch(k * run.global_batch_size, run.global_batch_size)
+        total += float(forward_backward(wrapped, batch.tokens, batch.labels, batch.loss_mask,
+                                        batch.attention_mask, micro_batch_size=run.micro_batch_size,
+                                        forward_only=True))
+    return total / run.eval_iters

@@ -1,0 +1,98 @@
+"""Megatron DDP, optimizer and LR scheduler over the trainable parameters only.
+
+Frozen parameters (requires_grad=False) get no gradient buffer in megatron's DDP and no optimizer
+state; expert parameters (`allreduce=False`) land in DDP's expert-data-parallel buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_lora.training.step import finalize_pre_normalised_grads
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"
+    train_iters: int = 100
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    # Adapter optimizer state is small (2 fp32 moments per adapter parameter), so sharding it over
+    # DP saves little; the non-distributed megatron optimizer keeps per-parameter state that
+    # training/checkpoint.py saves in a layout-independent form. True opts into megatron's
+    # distributed optimizer for runs that train without checkpoints.
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ValueError(f"lr_decay_style must be constant, linear, cosine or "
+                             f"inverse-square-root, got {self.lr_decay_style!r}")
+        if self.train_iters < 1:
+            raise ValueError(f"train_iters must be >= 1, got {self.train_iters}")
+        if not 0 <= self.lr_warmup_iters <= self.train_iters:
+            raise ValueError(f"lr_warmup_iters must be in [0, train_iters], got {self.lr_warmup_iters}")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ValueError("clip_grad and weight_decay must be >= 0")
+
+
+def wrap_for_training(
+    model_chunks: List[torch.nn.Module], optim: OptimConfig
+) -> Tuple[List[DistributedDataParallel], object, OptimizerParamScheduler]:
+    """DDP-wrap each chunk, build megatron's optimizer over trainable params and its scheduler."""
+    config = model_chunks[0].config
+    distributed = optim.use_distributed_optimizer
+    if not any(p.requires_grad for m in model_chunks for p in m.parameters()):
+        raise ValueError("the model has no trainable parameters")
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed,
+        overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True,
+    )
+    # All chunks share the TransformerConfig; its finalize function does our DP/TP/PP reductions.
+    config.finalize_model_grads_func = finalize_pre_normalised_grads
+    wrapped = [DistributedDataParallel(config, ddp_config, m) for m in model_chunks]
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=distributed,
+    )
+    optimizer = get_megatron_optimizer(opt_config, wrapped)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.lr_warmup_iters else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_iters,
+        lr_decay_steps=optim.train_iters,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=optim.train_iters,
+        wd_incr_style="constant",
+    )
+    return wrapped, optimizer, scheduler

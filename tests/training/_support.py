@@ -1,0 +1,42 @@
+"""A tiny training setup shared by the training tests: model, data, configs."""
+
+import torch
+
+from megatron_lora.data import PackedDataset, Sample, pack_samples
+from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.testing.reference import load_weights
+from megatron_lora.training.loop import RunConfig
+from megatron_lora.training.optimizer import OptimConfig
+
+SHAPE = tiny_mixtral_shape(vocab_size=384)
+SEQ = 32
+# Trainable: a TP-sharded linear, an expert linear (expert-DP reduction) and the norms (replicated;
+# summed over TP under SP by finalize_model_grads): every gradient path of the loop.
+TRAINABLE = ("linear_proj", "linear_fc2", "input_layernorm")
+
+
+def dataset(seed: int = 5) -> PackedDataset:
+    samples = []
+    for i in range(48):
+        text = f"{i} squared is {i * i}."
+        ids = [256] + list(text.encode()) + [257]
+        samples.append(Sample(ids, [1] * len(ids)))
+    return PackedDataset(pack_samples(samples, SEQ, pad_id=258), seed=seed)
+
+
+def model(layout, weights_dir=None):
+    m = build_gpt_model(SHAPE, transformer_config(SHAPE, layout))
+    if weights_dir is not None:
+        load_weights(m, weights_dir)
+    for name, p in m.named_parameters():
+        p.requires_grad = any(t in name for t in TRAINABLE)
+    return m
+
+
+def run_config(save=None, iters=5, **kw) -> RunConfig:
+    return RunConfig(micro_batch_size=1, global_batch_size=4, seq_length=SEQ, train_iters=iters,
+                     save=save, log_interval=100, **kw)
+
+
+def optim(iters=5) -> OptimConfig:
+    return OptimConfig(lr=3e-3, lr_warmup_iters=1, train_iters=iters, clip_grad=1.0)

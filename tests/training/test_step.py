@@ -1,0 +1,59 @@
+"""forward_backward on a real model: packed samples attend only within themselves, and masked
+(prompt) tokens contribute nothing to the gradient."""
+
+import torch
+
+from megatron_lora.data import Sample, pack_samples
+from megatron_lora.data.packing import inputs_labels_mask
+from megatron_lora.runtime import ParallelLayout
+from megatron_lora.training.step import forward_backward
+from tests.harness import multirank
+from tests.training import _support as S
+
+
+def _logits(model, tokens, attention_mask=None):
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        return model(tokens, positions, attention_mask=attention_mask)
+
+
+@multirank(world_size=1)
+def test_a_packed_sample_scores_exactly_as_it_would_alone(layout=ParallelLayout()):
+    model = S.model(layout)
+    a = Sample([256] + list(b"first sample"), [1] * 13)
+    b = Sample([256] + list(b"the second one"), [1] * 15)
+    rows = pack_samples([a, b], seq_length=S.SEQ, pad_id=258)
+    tokens, _, _, mask = inputs_labels_mask(rows.tokens, rows.targets, rows.sample_ids)
+    packed = _logits(model, tokens, mask)
+    alone_b = _logits(model, torch.tensor([b.tokens]))
+    alone_a = _logits(model, torch.tensor([a.tokens]))
+    torch.testing.assert_close(packed[0, 13:28], alone_b[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[0, :13], alone_a[0], rtol=1e-5, atol=1e-5)
+    # Without the block mask, sample b would see sample a: the check can fail.
+    leaky = _logits(model, tokens)
+    assert (leaky[0, 13:28] - alone_b[0]).abs().max() > 1e-3
+
+
+def _grads(model, tokens, labels, loss_mask):
+    model.zero_grad(set_to_none=True)
+    forward_backward([model], tokens, labels, loss_mask, micro_batch_size=1)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@multirank(world_size=1)
+def test_prompt_tokens_contribute_nothing_to_the_gradient(layout=ParallelLayout()):
+    model = S.model(layout)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, S.SEQ), generator=g)
+    labels = torch.randint(0, 256, (2, S.SEQ), generator=g)
+    loss_mask = torch.ones(2, S.SEQ)
+    loss_mask[:, :12] = 0  # the prompt
+    base = _grads(model, tokens, labels, loss_mask)
+    other_prompt = labels.clone()
+    other_prompt[:, :12] = torch.randint(0, 256, (2, 12), generator=g)
+    for name, grad in _grads(model, tokens, other_prompt, loss_mask).items():
+        torch.testing.assert_close(grad, base[name], rtol=0, atol=0)
+    other_response = labels.clone()
+    other_response[:, 20:] = (labels[:, 20:] + 1) % 256
+    changed = _grads(model, tokens, other_response, loss_mask)
+    assert any(not torch.equal(changed[n], base[n]) for n in base)

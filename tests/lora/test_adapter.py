@@ -75,7 +75,7 @@ def test_dropout_mask_is_a_slice_of_the_global_mask_and_has_rate_p():
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=2)], ids=["TP2"])
 @multirank(world_size=2, timeout=300)
 def test_bad_input_raises_naming_the_argument_before_any_collective(layout):
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_lora.lora import LoraAdapter, UnsupportedBaseLayerError
     from megatron_lora.lora.accounting import record_collectives
@@ -117,7 +117,7 @@ def test_bad_input_raises_naming_the_argument_before_any_collective(layout):
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=2)], ids=["TP2"])
 @multirank(world_size=2, timeout=300)
 def test_merge_unmerge_safe_merge_and_disable(layout):
-    from tests.lora._support import SEQ, Case, build, global_batch, local_input
+    from tests.lora._support import Case, build, global_batch, local_input
 
     for case in (Case("column", sp=True), Case("column", gather_output=True), Case("row"),
                  Case("row", sp=True), Case("row", input_is_parallel=False)):
@@ -160,7 +160,6 @@ def test_merge_unmerge_safe_merge_and_disable(layout):
             adapter.lora_B.nan_to_num_(0.0)
             adapter.safe_merge()
             assert adapter.merged
-    assert SEQ % 2 == 0
 
 
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=2)], ids=["TP2"])
@@ -216,7 +215,7 @@ def test_saved_activations_collectives_and_dtypes(layout):
     the base's megatron config is untouched."""
     from megatron_lora.lora import LoraAdapter
     from megatron_lora.lora.accounting import record_collectives, record_saved_tensors
-    from tests.lora._support import BATCH, IN, OUT, RANK, SEQ, Case, build, global_batch
+    from tests.lora._support import BATCH, IN, RANK, SEQ, Case, build, global_batch
     from tests.lora._support import local_input
 
     t = 2
@@ -261,7 +260,6 @@ def test_saved_activations_collectives_and_dtypes(layout):
     assert activation_like and all(s.dtype == torch.bfloat16 for s in activation_like), saved
     out.float().sum().backward()
     assert adapter.lora_A.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
-    assert OUT > RANK
 
 
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True)], ids=["TP2"])

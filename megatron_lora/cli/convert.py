@@ -30,7 +30,6 @@ def register(sub) -> None:
     a = conv.add_parser("hf-to-mcore", help="HF Mixtral -> torch_dist checkpoint (any layout)")
     a.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
     a.add_argument("--save", required=True, help="output checkpoint folder (must not exist)")
-    a.add_argument("--threads", type=int, default=1, help="writer threads (one chunk in memory each)")
     b = conv.add_parser("mcore-to-hf", help="torch_dist checkpoint -> HF safetensors shards")
     b.add_argument("--load", required=True, help="megatron-core torch_dist checkpoint folder")
     b.add_argument("--save", required=True, help="output HF folder (must not exist)")
@@ -53,7 +52,7 @@ def _run(args) -> int:
             from megatron_lora.convert.hf_to_mcore import hf_to_mcore
 
             hf_to_mcore(args.hf_dir, args.save, overwrite=args.overwrite,
-                        progress=not args.no_progress, threads=args.threads)
+                        progress=not args.no_progress)
         else:
             from megatron_lora.convert.mcore_to_hf import mcore_to_hf
 

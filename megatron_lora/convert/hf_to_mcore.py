@@ -57,7 +57,8 @@ def open_hf(hf_dir: str) -> Tuple[MixtralInfo, HFCheckpoint, torch.dtype]:
                 f"{os.path.join(hf_dir, got.file)}: tensor {name!r} has shape {list(got.shape)}, "
                 f"but config.json ({info.config_fields()}) implies {list(shape)}"
             )
-    extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(IGNORED_HF_SUFFIXES))
+    ignored = IGNORED_HF_SUFFIXES + (("lm_head.weight",) if info.shape.tie_embeddings else ())
+    extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored))
     if extra:
         raise ConversionError(
             f"{hf_dir}: tensors not part of a Mixtral model as config.json describes it: "
@@ -69,8 +70,7 @@ def open_hf(hf_dir: str) -> Tuple[MixtralInfo, HFCheckpoint, torch.dtype]:
     return info, ckpt, dtypes.pop()
 
 
-def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bool = True,
-                threads: int = 1) -> None:
+def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bool = True) -> None:
     """Convert `hf_dir` into a torch_dist checkpoint at `save` (created atomically)."""
     check_output_free(save, overwrite)
     info, ckpt, dtype = open_hf(hf_dir)
@@ -83,7 +83,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bo
             bar.update(data.nbytes)
             return data.reshape(c.sizes)
 
-        write_torch_dist(tmp, tensors, extra_states(info), chunk_data, dtype, threads=threads)
+        write_torch_dist(tmp, tensors, extra_states(info), chunk_data, dtype)
         write_sidecar(tmp, info, dtype)
         os.makedirs(os.path.join(tmp, HF_FILES))
         for name in _PASSTHROUGH:

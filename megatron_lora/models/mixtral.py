@@ -13,6 +13,7 @@ specs have the same sharded-state-dict keys, so one checkpoint serves both.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -200,6 +201,13 @@ def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[b
     )
 
     layer = get_gpt_layer_with_transformer_engine_spec(config.num_moe_experts, moe_grouped_gemm=False)
+    # TE fuses the input norm into linear_qkv (key linear_qkv.layer_norm_weight); the MoE
+    # pre-MLP norm is a separate TENorm. Store it under the same key as the local spec does, so
+    # one checkpoint serves both specs.
+    keys_map = dict(layer.submodules.sharded_state_dict_keys_map or {})
+    keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, sharded_state_dict_keys_map=keys_map))
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     return ModuleSpec(
         module=TransformerBlock,

@@ -24,3 +24,15 @@ def tiny_mixtral(tmp_path_factory):
               paths["reference"])
     assert os.path.isfile(os.path.join(paths["mcore"], ".metadata"))
     return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_tied(tmp_path_factory):
+    """Like tiny_mixtral, with tied input/output embeddings (no lm_head.weight on disk)."""
+    root = tmp_path_factory.mktemp("tiny_tied")
+    paths = {"hf": str(root / "hf"), "reference": str(root / "reference.safetensors")}
+    make_tiny_mixtral(paths["hf"], seed=3, tie_word_embeddings=True)
+    tokens = make_tokens(batch=2)
+    save_file({"tokens": tokens, "logits": hf_logits(paths["hf"], tokens).contiguous()},
+              paths["reference"])
+    return paths

@@ -149,3 +149,21 @@ def test_bad_layout_fails_on_every_rank_before_any_collective(tiny_mixtral, tmp_
     assert proc.returncode != 0
     assert proc.stderr.count("tp=3 does not divide num_attention_heads=4") == 3, proc.stderr[-3000:]
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(head_dim=32), "head_dim"),
+    (dict(sliding_window=64), "sliding_window"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}), "rope_type"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(num_local_experts=None), "num_local_experts"),
+    (dict(num_experts_per_tok=5), "moe_router_topk"),
+])
+def test_config_fields_megatron_cannot_reproduce_are_named(tiny_mixtral, change, field):
+    from megatron_lora.models.mixtral import MixtralInfo
+
+    with open(os.path.join(tiny_mixtral["hf"], "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(change)
+    with pytest.raises(MixtralConfigError, match=field):
+        MixtralInfo.from_hf_config(cfg)

@@ -47,3 +47,17 @@ def test_logits_match_transformers(layout, world_size, tiny_mixtral):
     diff = (from_mcore - ref["logits"]).abs().max().item()
     assert diff <= 1e-4, f"{layout.describe()}: max abs diff {diff:.3e} vs transformers"
     assert torch.equal(from_hf, from_mcore), (from_hf - from_mcore).abs().max()
+
+
+@pytest.mark.parametrize("layout", [pytest.param(ParallelLayout(pp=2), id="PP2")])
+@multirank(world_size=2, timeout=300)
+def test_tied_embeddings_across_pipeline_stages(layout, tiny_tied):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+
+    ref = load_file(tiny_tied["reference"])
+    info, hf, _ = open_hf(tiny_tied["hf"])
+    assert info.shape.tie_embeddings and "lm_head.weight" not in hf.tensors
+    logits = model_logits(info, layout, ref["tokens"], lambda m: load_hf(m, info, hf))
+    if logits is not None:
+        assert (logits - ref["logits"]).abs().max().item() <= 1e-4

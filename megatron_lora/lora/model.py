@@ -1,0 +1,276 @@
+"""LoRA on whole megatron-core models: LoraConfig, apply_lora and the functions around it.
+
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=["linear_qkv", "linear_proj",
+                        "linear_fc1", "linear_fc2"], rank_pattern={"experts": 8})
+    adapters = apply_lora(model, config)        # wraps in place, freezes everything else
+    params = get_adapter_params(model)          # {name: Parameter}, the trainable ones
+
+Every adapter's initial factors come from (config.seed, its global name) (lora/identity.py), so
+the same config gives the same global adapters at every parallel layout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_lora.lora.adapter import LoraAdapter
+from megatron_lora.lora.config import AdapterConfig
+from megatron_lora.lora.identity import adapter_seed, global_layer_prefix
+from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """PEFT-style LoRA settings for a whole model (validated on construction).
+
+    r, lora_alpha, lora_dropout, use_rslora, init_lora_weights: as in HF PEFT.
+    target_modules: megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2, router,
+        embedding, output_layer), their HF names (q_proj ... w1, w2, w3, gate, embed_tokens,
+        lm_head) or "all-linear".
+    rank_pattern / alpha_pattern: {regex: value}; the first pattern found (re.search) in an
+        adapter's global name (e.g. "decoder.layers.3.mlp.experts.5.linear_fc1") overrides r /
+        lora_alpha for it, e.g. {"experts": 8}.
+    seed: seeds every adapter's initial factors together with its global name.
+    dtype: factor dtype (None: the base weight's).
+    """
+
+    r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    target_modules: Union[str, Sequence[str]] = ("linear_qkv", "linear_proj", "linear_fc1",
+                                                 "linear_fc2")
+    use_rslora: bool = False
+    init_lora_weights: Union[bool, str] = True
+    rank_pattern: Dict[str, int] = field(default_factory=dict)
+    alpha_pattern: Dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_modules", normalize_targets(self.target_modules))
+        object.__setattr__(self, "rank_pattern", dict(self.rank_pattern))
+        object.__setattr__(self, "alpha_pattern", dict(self.alpha_pattern))
+        for pattern in list(self.rank_pattern) + list(self.alpha_pattern):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"LoraConfig rank_pattern/alpha_pattern key {pattern!r} is not a "
+                                 f"valid regular expression: {e}") from None
+        # Every adapter config this LoraConfig can produce is validated now (AdapterConfig
+        # names the field), before any module is touched.
+        for r in [self.r, *self.rank_pattern.values()]:
+            for alpha in [self.lora_alpha, *self.alpha_pattern.values()]:
+                self._adapter_config(r, alpha)
+
+    def _adapter_config(self, r, alpha) -> AdapterConfig:
+        try:
+            return AdapterConfig(rank=r, alpha=alpha, dropout=self.lora_dropout,
+                                 use_rslora=self.use_rslora,
+                                 init_lora_weights=self.init_lora_weights, dtype=self.dtype)
+        except ValueError as e:
+            msg = str(e).replace("AdapterConfig.rank", "LoraConfig.r").replace(
+                "AdapterConfig.alpha", "LoraConfig.lora_alpha").replace(
+                "AdapterConfig.dropout", "LoraConfig.lora_dropout").replace(
+                "AdapterConfig.", "LoraConfig.")
+            raise ValueError(msg) from None
+
+    def adapter_config(self, name: str) -> AdapterConfig:
+        """The AdapterConfig of the adapter with global name `name`."""
+        r = next((v for p, v in self.rank_pattern.items() if re.search(p, name)), self.r)
+        alpha = next((v for p, v in self.alpha_pattern.items() if re.search(p, name)),
+                     self.lora_alpha)
+        return self._adapter_config(r, alpha)
+
+    def to_dict(self) -> dict:
+        """Plain data (for checkpoints and adapter_config.json)."""
+        return {
+            "r": self.r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+            "target_modules": list(self.target_modules), "use_rslora": self.use_rslora,
+            "init_lora_weights": self.init_lora_weights, "rank_pattern": dict(self.rank_pattern),
+            "alpha_pattern": dict(self.alpha_pattern), "seed": self.seed,
+            "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
+        }
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _sites(model) -> List[Tuple[str, str, torch.nn.Module, str]]:
+    """(kind, global name, parent module, attribute) for every LoRA-able module on this rank."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    sites = []
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        sites.append(("embedding", "embedding", embedding, "word_embeddings"))
+    decoder = getattr(model, "decoder", None)
+    for layer in getattr(decoder, "layers", []):
+        prefix = global_layer_prefix(layer)
+        attn = layer.self_attention
+        sites.append(("linear_qkv", f"{prefix}.self_attention.linear_qkv", attn, "linear_qkv"))
+        sites.append(("linear_proj", f"{prefix}.self_attention.linear_proj", attn, "linear_proj"))
+        mlp = layer.mlp
+        if isinstance(mlp, MoELayer):
+            sites.append(("router", f"{prefix}.mlp.router", mlp, "router"))
+            for kind in ("linear_fc1", "linear_fc2"):
+                sites.append((kind, f"{prefix}.mlp.experts", mlp, "experts"))
+        else:
+            sites.append(("linear_fc1", f"{prefix}.mlp.linear_fc1", mlp, "linear_fc1"))
+            sites.append(("linear_fc2", f"{prefix}.mlp.linear_fc2", mlp, "linear_fc2"))
+    if getattr(model, "output_layer", None) is not None and getattr(model, "post_process", False):
+        sites.append(("output_layer", "output_layer", model, "output_layer"))
+    return sites
+
+
+def model_kinds(config) -> Tuple[str, ...]:
+    """The target kinds a megatron GPT model with TransformerConfig `config` has (any stage)."""
+    kinds = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "embedding", "output_layer"]
+    if config.num_moe_experts:
+        kinds.insert(4, "router")
+    return tuple(k for k in KINDS if k in kinds)
+
+
+def _min_dims(config, kind: str, vocab_size: int) -> int:
+    """min(in_features, out_features) of a target kind's global weight, from the config alone."""
+    h = config.hidden_size
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    ffn = config.moe_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
+    sizes = {
+        "linear_qkv": (h, (heads + 2 * groups) * d),
+        "linear_proj": (heads * d, h),
+        "linear_fc1": (h, ffn * (2 if config.gated_linear_unit else 1)),
+        "linear_fc2": (ffn, h),
+        "router": (h, config.num_moe_experts or 0),
+        "embedding": (vocab_size, h),
+        "output_layer": (h, vocab_size),
+    }
+    return min(sizes[kind])
+
+
+def validate_for_model(model, config: LoraConfig) -> None:
+    """Every problem of `config` for `model`, raised identically on every rank (no collective):
+    targets the model does not have, ranks larger than a targeted weight allows."""
+    m = _unwrap(model)
+    tconf = m.config
+    available = model_kinds(tconf)
+    missing = [k for k in config.target_modules if k not in available]
+    if missing:
+        raise UnknownTargetError(
+            f"LoRA targets {missing} do not exist in this model; its targets are "
+            f"{', '.join(available)}"
+        )
+    problems = []
+    for kind in config.target_modules:
+        limit = _min_dims(tconf, kind, m.vocab_size)
+        too_big = sorted(r for r in {config.r, *config.rank_pattern.values()} if r > limit)
+        if too_big:
+            problems.append(f"LoRA rank {too_big[-1]} (LoraConfig.r or a rank_pattern value) "
+                            f"exceeds min(in_features, out_features) = {limit} of {kind}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, torch.nn.Module]:
+    """Wrap every targeted module of `model` (this rank's pipeline stage) in place with a LoRA
+    adapter, freeze everything else, and print PEFT's trainable-parameter line on rank 0.
+
+    Returns {global name: adapter module}. Collective at the end (the parameter count), so call
+    it on every rank; all validation happens before any module is changed.
+    """
+    m = _unwrap(model)
+    validate_for_model(m, config)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    adapters: Dict[str, torch.nn.Module] = {}
+    for kind, name, parent, attr in _sites(m):
+        if kind not in config.target_modules:
+            continue
+        if attr == "experts":
+            raise NotImplementedError(
+                "LoRA on expert linears (linear_fc1/linear_fc2 of MoE layers) is not available yet"
+            )
+        if kind in ("router", "embedding", "output_layer"):
+            raise NotImplementedError(f"LoRA on {kind} is not available yet")
+        base = getattr(parent, attr)
+        adapter = LoraAdapter(base, config.adapter_config(name),
+                              seed=adapter_seed(config.seed, name))
+        setattr(parent, attr, adapter)
+        adapters[name] = adapter
+    trainable, total = count_parameters(m)
+    if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
+              f"trainable%: {100.0 * trainable / max(total, 1):.4f}")
+    return adapters
+
+
+def _is_expert(p) -> bool:
+    return not getattr(p, "allreduce", True)
+
+
+def count_parameters(model) -> Tuple[int, int]:
+    """(trainable, all) parameters of the GLOBAL model, counting each global element once.
+
+    TP-sharded and expert parameters are summed over the ranks that hold distinct parts; replicas
+    (over DP, over TP for replicated tensors) are counted once. Collective over model-parallel
+    groups.
+    """
+    from megatron.core import parallel_state as ps
+
+    counts = torch.zeros(4, dtype=torch.float64)  # dense trainable, dense all, expert t, expert a
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
+    for p in _unwrap(model).parameters():
+        expert = _is_expert(p)
+        sharded = getattr(p, "tensor_model_parallel", False)
+        if not sharded and (etp_rank if expert else tp_rank) != 0:
+            continue  # a TP replica: counted on TP rank 0
+        base = 2 if expert else 0
+        counts[base + 1] += p.numel()
+        if p.requires_grad:
+            counts[base] += p.numel()
+    if dist.is_initialized():
+        dense, expert = counts[:2].clone(), counts[2:].clone()
+        dist.all_reduce(dense, group=ps.get_model_parallel_group())
+        dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        counts = torch.cat([dense, expert])
+    return int(counts[0] + counts[2]), int(counts[1] + counts[3])
+
+
+def lora_modules(model) -> List[torch.nn.Module]:
+    return [mod for mod in _unwrap(model).modules() if isinstance(mod, LoraAdapter)]
+
+
+def get_adapter_params(model) -> Dict[str, torch.nn.Parameter]:
+    """{local name: parameter} of every LoRA factor of this rank's model."""
+    return {n: p for n, p in _unwrap(model).named_parameters()
+            if n.endswith("lora_A") or n.endswith("lora_B") or ".lora_" in n}
+
+
+def set_trainable_params(model, names) -> None:
+    """requires_grad=True exactly for the parameters named in `names` (local names)."""
+    names = set(names)
+    for n, p in _unwrap(model).named_parameters():
+        p.requires_grad_(n in names)
+
+
+def adapter_state_dict(model) -> Dict[str, torch.Tensor]:
+    """This rank's adapter factors (detached), keyed by local parameter name."""
+    return {n: p.detach() for n, p in get_adapter_params(model).items()}
+
+
+def merge_adapters(model, safe: bool = False) -> None:
+    for adapter in lora_modules(model):
+        adapter.merge(safe=safe)
+
+
+def unmerge_adapters(model) -> None:
+    for adapter in lora_modules(model):
+        adapter.unmerge()

@@ -1,0 +1,137 @@
+"""apply_lora on whole models: targets, freezing, layout-independent adapters, bad configs."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_lora.lora.model import (
+    LoraConfig,
+    apply_lora,
+    count_parameters,
+    get_adapter_params,
+    merge_adapters,
+    unmerge_adapters,
+)
+from megatron_lora.lora.targets import UnknownTargetError, normalize_targets
+from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.runtime import ParallelLayout
+from tests.harness import multirank
+
+DENSE = tiny_mixtral_shape(num_experts=None)
+
+
+def test_targets_accept_megatron_hf_and_all_linear_names():
+    assert normalize_targets(["q_proj", "v_proj", "o_proj"]) == ("linear_qkv", "linear_proj")
+    assert normalize_targets("all-linear") == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert normalize_targets(["w1", "w3", "w2", "gate", "lm_head", "embed_tokens"]) == (
+        "linear_fc1", "linear_fc2", "router", "embedding", "output_layer")
+    with pytest.raises(UnknownTargetError, match="unknown LoRA target 'qproj'; accepted: linear_qkv"):
+        normalize_targets(["qproj"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(r=0), "LoraConfig.r must be a positive integer"),
+    (dict(lora_alpha=-1.0), "LoraConfig.lora_alpha must be"),
+    (dict(lora_dropout=1.0), "LoraConfig.lora_dropout must be in"),
+    (dict(rank_pattern={"experts": -2}), "LoraConfig.r must be a positive integer"),
+    (dict(rank_pattern={"(": 2}), "not a valid regular expression"),
+])
+def test_bad_configs_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        LoraConfig(**kwargs)
+
+
+def test_rank_and_alpha_patterns_override_by_global_name():
+    config = LoraConfig(r=8, lora_alpha=16, rank_pattern={r"experts\.\d+\.linear_fc1": 4},
+                        alpha_pattern={"self_attention": 32})
+    assert config.adapter_config("decoder.layers.1.mlp.experts.3.linear_fc1").rank == 4
+    assert config.adapter_config("decoder.layers.1.mlp.experts.3.linear_fc2").rank == 8
+    assert config.adapter_config("decoder.layers.0.self_attention.linear_qkv").alpha == 32
+
+
+def _global_factors(adapters):
+    """{name: (A, B)} gathered to global shapes over the adapter's TP group."""
+    out = {}
+    for name, ad in adapters.items():
+        g = ad.geometry
+        a, b = ad.lora_A.detach(), ad.lora_B.detach()
+        if g.tp_size > 1:
+            dim_a, dim_b = (None, 0) if g.mode == "column" else (1, None)
+            parts = {}
+            for key, t, dim in (("A", a, dim_a), ("B", b, dim_b)):
+                if dim is None:
+                    parts[key] = t
+                    continue
+                pieces = [torch.empty_like(t) for _ in range(g.tp_size)]
+                dist.all_gather(pieces, t.contiguous(), group=g.tp_group)
+                parts[key] = torch.cat(pieces, dim=dim)
+            a, b = parts["A"], parts["B"]
+        out[name] = (a, b)
+    return out
+
+
+@multirank(world_size=2)
+def test_the_same_config_gives_the_same_global_adapters_at_any_layout():
+    from megatron_lora import runtime
+
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, seed=3)
+    results = {}
+    for layout in (ParallelLayout(), ParallelLayout(tp=2, sp=True), ParallelLayout(pp=2)):
+        runtime.initialize(layout)
+        model = build_gpt_model(DENSE, transformer_config(DENSE, layout))
+        adapters = apply_lora(model, config, verbose=False)
+        results[layout.describe()] = _global_factors(adapters)
+        runtime.destroy()
+    single = results["TP1"]
+    assert len(single) == 4 * DENSE.num_layers
+    for layout_name in ("TP2+SP", "PP2"):
+        for name, (a, b) in results[layout_name].items():
+            torch.testing.assert_close(a, single[name][0], rtol=0, atol=0)
+            torch.testing.assert_close(b, single[name][1], rtol=0, atol=0)
+    # Different modules start from different factors.
+    names = sorted(single)
+    assert not torch.equal(single[names[0]][0], single[names[1]][0])
+
+
+@multirank(world_size=2)
+def test_everything_but_the_adapters_is_frozen_and_counted_once(layout=ParallelLayout(tp=2, sp=True)):
+    model = build_gpt_model(DENSE, transformer_config(DENSE, layout))
+    _, total_before = count_parameters(model)
+    apply_lora(model, LoraConfig(r=4, target_modules=["q_proj", "o_proj"]), verbose=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(get_adapter_params(model))
+    assert all("self_attention" in n for n in trainable)
+    count, total = count_parameters(model)
+    h, layers = DENSE.hidden_size, DENSE.num_layers
+    qkv_out = (DENSE.num_attention_heads + 2 * DENSE.num_query_groups) * (h // DENSE.num_attention_heads)
+    expected = layers * 4 * ((h + qkv_out) + (h + h))  # A [r, in] + B [out, r], r=4
+    assert count == expected
+    assert total == total_before + expected
+
+
+@multirank(world_size=2)
+def test_unknown_or_oversized_targets_fail_on_every_rank_before_any_change(layout=ParallelLayout(pp=2)):
+    model = build_gpt_model(DENSE, transformer_config(DENSE, layout))
+    before = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(UnknownTargetError, match=r"\['router'\] do not exist in this model; its targets"):
+        apply_lora(model, LoraConfig(target_modules=["gate", "q_proj"]))
+    with pytest.raises(ValueError, match="LoRA rank 512 .* exceeds min\\(in_features, out_features\\) = 64 of linear_proj"):
+        apply_lora(model, LoraConfig(r=4, rank_pattern={"proj": 512}))
+    assert [p.requires_grad for p in model.parameters()] == before
+    dist.barrier()  # every rank got here: nobody is stuck in a collective
+
+
+@multirank(world_size=2)
+def test_merge_and_unmerge_the_whole_model(layout=ParallelLayout(tp=2, sp=True)):
+    model = build_gpt_model(DENSE, transformer_config(DENSE, layout))
+    apply_lora(model, LoraConfig(r=4, init_lora_weights=False), verbose=False)
+    tokens = torch.randint(0, DENSE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(16).unsqueeze(0)
+    with torch.no_grad():
+        with_lora = model(tokens, pos, attention_mask=None)
+        merge_adapters(model)
+        merged = model(tokens, pos, attention_mask=None)
+        unmerge_adapters(model)
+        again = model(tokens, pos, attention_mask=None)
+    torch.testing.assert_close(merged, with_lora, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, with_lora, rtol=1e-5, atol=1e-5)

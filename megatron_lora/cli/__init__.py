@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "megatron_lora.cli.parity",
     "megatron_lora.cli.convert",
     "megatron_lora.cli.logits",
+    "megatron_lora.cli.train",
 ]
 
 

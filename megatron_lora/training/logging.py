@@ -18,6 +18,7 @@ class TrainingLog:
         self.history: List[Tuple[int, float]] = []
         self._start = time.monotonic()
         self._last = self._start
+        self._pending_iters, self._pending_tokens = 0, 0
         self._writer = None
         self._bar = None
         if not enabled:
@@ -45,16 +46,20 @@ class TrainingLog:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}")
+        self._pending_iters += 1
+        self._pending_tokens += tokens
         if log:
             now = time.monotonic()
-            step_ms = (now - self._last) * 1000.0
-            self._last = now
+            seconds = now - self._last
+            step_ms = seconds * 1000.0 / self._pending_iters
+            tokens_per_s = self._pending_tokens / max(seconds, 1e-9)
+            self._last, self._pending_iters, self._pending_tokens = now, 0, 0
             gn = "nan" if grad_norm is None else f"{grad_norm:.3f}"
             line = (f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: "
                     f"{consumed_samples:12d} | elapsed time per iteration (ms): {step_ms:.1f} | "
                     f"learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} | "
                     f"lm loss: {loss:.6E} | grad norm: {gn} | "
-                    f"tokens/s: {tokens / max(step_ms / 1000.0, 1e-9):.0f} | "
+                    f"tokens/s: {tokens_per_s:.0f} | "
                     f"elapsed: {now - self._start:.1f} s |")
             if self._bar is not None:
                 self._bar.write(line)
@@ -62,7 +67,9 @@ class TrainingLog:
                 print(line, flush=True)
 
     def restart_clock(self) -> None:
-        self._last = time.monotonic()
+        """Leave time spent outside training steps (a checkpoint save) out of the next line."""
+        if self._pending_iters == 0:
+            self._last = time.monotonic()
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -1,0 +1,75 @@
+"""`megatron-lora train`: LoRA fine-tuning of a Mixtral checkpoint (run it under torchrun).
+
+    torchrun --nproc-per-node 8 -m megatron_lora train --load-hf Mixtral-8x7B-v0.1 \\
+        --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --sequence-parallel \\
+        --data-path train.jsonl --tokenizer Mixtral-8x7B-v0.1 --seq-length 4096 \\
+        --micro-batch-size 1 --global-batch-size 64 --train-iters 1000 --lr 2e-4 \\
+        --lora-rank 16 --lora-alpha 32 --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 \\
+        --save ckpt/run1 --save-interval 100 --bf16
+
+Flag names follow Megatron-LM. Every input (layout, batch sizes, data, LoRA settings, a resume's
+compatibility) is checked on every rank before training starts.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from megatron_lora.cli.common import add_layout_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="LoRA fine-tuning (torchrun)")
+    add_layout_args(p)
+    src = p.add_argument_group("model")
+    which = src.add_mutually_exclusive_group(required=True)
+    which.add_argument("--load-hf", help="HF Mixtral folder, read directly (each rank its slices)")
+    which.add_argument("--load", help="megatron-core checkpoint from `convert hf-to-mcore`")
+    src.add_argument("--hf-config", default=None, help="config.json for --load if it has none")
+    d = p.add_argument_group("data")
+    d.add_argument("--data-path", required=True, help="JSONL: {text} or {prompt, response} or "
+                   "{messages}")
+    d.add_argument("--tokenizer", required=True, help="tokenizer.json, an HF folder with one, "
+                   "or 'byte'")
+    d.add_argument("--seq-length", type=int, required=True)
+    d.add_argument("--eval-fraction", type=float, default=0.0,
+                   help="fraction of packed sequences held out for --eval-interval")
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, default=1)
+    t.add_argument("--global-batch-size", type=int, required=True)
+    t.add_argument("--train-iters", type=int, required=True)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--lr-decay-style", default="cosine",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--bf16", action="store_true", help="bf16 model and activations (default fp32)")
+    t.add_argument("--seed", type=int, default=1234)
+    lo = p.add_argument_group("LoRA")
+    lo.add_argument("--lora-rank", type=int, default=16)
+    lo.add_argument("--lora-alpha", type=float, default=32.0)
+    lo.add_argument("--lora-dropout", type=float, default=0.0)
+    lo.add_argument("--lora-target-modules", nargs="+",
+                    default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    lo.add_argument("--lora-use-rslora", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--save", default=None, help="adapter checkpoints; a run resumes from the "
+                   "newest one found here")
+    o.add_argument("--save-interval", type=int, default=None)
+    o.add_argument("--eval-interval", type=int, default=None)
+    o.add_argument("--eval-iters", type=int, default=1)
+    o.add_argument("--log-interval", type=int, default=1)
+    o.add_argument("--tensorboard-dir", default=None)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from megatron_lora.training.run import TrainSetupError, run_training
+
+    try:
+        return run_training(args)
+    except TrainSetupError as exc:
+        print(f"megatron-lora train: error: {exc}", file=sys.stderr)
+        return 2

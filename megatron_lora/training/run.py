@@ -1,0 +1,142 @@
+"""What `megatron-lora train` does on each rank: check inputs, build the model, apply LoRA, train."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+
+class TrainSetupError(ValueError):
+    """Bad input found before training started (the same on every rank)."""
+
+
+def _setup_checks(args, layout, world_size):
+    """Everything that can be checked without communication; raises TrainSetupError."""
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.lora.model import LoraConfig
+    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.runtime import LayoutError
+    from megatron_lora.training.loop import RunConfig
+    from megatron_lora.training.optimizer import OptimConfig
+
+    try:
+        if args.load_hf:
+            from megatron_lora.convert.hf_to_mcore import open_hf
+
+            info, hf, _ = open_hf(args.load_hf)
+        else:
+            from megatron_lora.convert.hf_to_mcore import read_mcore_info
+
+            info, hf = read_mcore_info(args.load, args.hf_config), None
+        info.validate_layout(layout, world_size)
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                          lora_dropout=args.lora_dropout,
+                          target_modules=args.lora_target_modules,
+                          use_rslora=args.lora_use_rslora, seed=args.seed)
+        run = RunConfig(micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+                        train_iters=args.train_iters, log_interval=args.log_interval,
+                        save=args.save, save_interval=args.save_interval,
+                        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+                        tensorboard_dir=args.tensorboard_dir, seed=args.seed)
+        problems = run.batch_problems(layout.data_parallel_size(world_size))
+        if layout.sp and args.seq_length % layout.tp:
+            problems.append(f"--seq-length {args.seq_length} is not divisible by "
+                            f"--tensor-model-parallel-size {layout.tp} (sequence parallelism)")
+        if args.seq_length > info.shape.max_position_embeddings:
+            problems.append(f"--seq-length {args.seq_length} exceeds the model's "
+                            f"max_position_embeddings {info.shape.max_position_embeddings}")
+        if not 0.0 <= args.eval_fraction < 1.0:
+            problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+        if problems:
+            raise TrainSetupError("; ".join(problems))
+        optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
+                            lr_decay_style=args.lr_decay_style, train_iters=args.train_iters,
+                            weight_decay=args.weight_decay, clip_grad=args.clip_grad)
+        datasets = _datasets(args, info, run)
+    except (ConversionError, MixtralConfigError, LayoutError, ValueError, OSError) as exc:
+        if isinstance(exc, TrainSetupError):
+            raise
+        raise TrainSetupError(str(exc)) from None
+    return info, hf, lora, run, optim, datasets
+
+
+def _datasets(args, info, run):
+    from megatron_lora.data import PackedDataset, load_tokenizer, pack_samples, read_jsonl
+    from megatron_lora.data.packing import PackedRows
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer.vocab_size > info.vocab_size:
+        raise TrainSetupError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                              f"model's vocab_size {info.vocab_size}")
+    samples, truncated = read_jsonl(args.data_path, tokenizer, max_tokens=run.seq_length + 1)
+    rows = pack_samples(samples, run.seq_length, tokenizer.pad_id)
+    n_eval = int(round(rows.tokens.shape[0] * args.eval_fraction))
+    if args.eval_interval and n_eval == 0:
+        raise TrainSetupError("--eval-interval needs held-out data: set --eval-fraction")
+
+    def take(lo, hi):
+        return PackedRows(rows.tokens[lo:hi], rows.targets[lo:hi], rows.sample_ids[lo:hi],
+                          rows.num_samples)
+
+    n = rows.tokens.shape[0]
+    train = PackedDataset(take(0, n - n_eval), seed=run.seed)
+    evaluation = PackedDataset(take(n - n_eval, n), seed=run.seed) if n_eval else None
+    stats = dict(samples=len(samples), truncated=truncated, sequences=n - n_eval, held_out=n_eval)
+    return train, evaluation, stats
+
+
+def run_training(args) -> int:
+    import torch.distributed as dist
+
+    from megatron_lora import runtime
+    from megatron_lora.cli.common import layout_from_args, torchrun_env_defaults
+    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.lora.model import apply_lora
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.training.loop import train
+
+    torchrun_env_defaults(29519)
+    world_size = int(os.environ["WORLD_SIZE"])
+    try:
+        layout = layout_from_args(args)
+    except ValueError as exc:
+        raise TrainSetupError(str(exc)) from None
+    info, hf, lora, run, optim, (train_set, eval_set, stats) = _setup_checks(args, layout, world_size)
+    runtime.init_process_group()
+    rank0 = dist.get_rank() == 0
+    runtime.initialize(layout, seed=args.seed, model_sizes=info.shape.layout_sizes())
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = build_mixtral_model(info, mixtral_config(info, layout, dtype=dtype,
+                                                     dispatcher=args.moe_token_dispatcher_type))
+    model.to(runtime.device())
+    if hf is not None:
+        load_hf(model, info, hf)
+    else:
+        load_mcore(model, args.load)
+    if rank0:
+        print(f"data: {stats['samples']} samples ({stats['truncated']} truncated to "
+              f"--seq-length+1 tokens) packed into {stats['sequences']} sequences of "
+              f"{run.seq_length} (+{stats['held_out']} held out)", flush=True)
+    apply_lora(model, lora)
+    metadata = {"lora": lora.to_dict(), "vocab_size": info.vocab_size,
+                "hidden_size": info.shape.hidden_size, "num_layers": info.shape.num_layers,
+                "num_experts": info.shape.num_experts}
+    start = time.monotonic()
+    result = train([model], train_set, run, optim, layout_name=layout.describe(),
+                   run_metadata=metadata, eval_dataset=eval_set)
+    if rank0:
+        print(f"trained {result.iteration} iterations in {time.monotonic() - start:.1f} s; "
+              f"final loss {result.losses.get(result.iteration, float('nan')):.4f}")
+        if result.checkpoint:
+            print(f"adapter checkpoint: {result.checkpoint}")
+        if run.tensorboard_dir:
+            print(f"tensorboard logs: {run.tensorboard_dir}")
+        if result.plot:
+            print(f"loss curve: {result.plot}")
+        sys.stdout.flush()
+    runtime.shutdown()
+    return 0

@@ -18,7 +18,7 @@ class TrainingLog:
         self.history: List[Tuple[int, float]] = []
         self._start = time.monotonic()
         self._last = self._start
-        self._pending_iters, self._pending_tokens = 0, 0
+        self._pending_iters, self._pending_tokens, self._excluded = 0, 0, 0.0
         self._writer = None
         self._bar = None
         if not enabled:
@@ -50,10 +50,10 @@ class TrainingLog:
         self._pending_tokens += tokens
         if log:
             now = time.monotonic()
-            seconds = now - self._last
+            seconds = max(now - self._last - self._excluded, 1e-9)
             step_ms = seconds * 1000.0 / self._pending_iters
             tokens_per_s = self._pending_tokens / max(seconds, 1e-9)
-            self._last, self._pending_iters, self._pending_tokens = now, 0, 0
+            self._last, self._pending_iters, self._pending_tokens, self._excluded = now, 0, 0, 0.0
             gn = "nan" if grad_norm is None else f"{grad_norm:.3f}"
             line = (f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: "
                     f"{consumed_samples:12d} | elapsed time per iteration (ms): {step_ms:.1f} | "
@@ -66,10 +66,9 @@ class TrainingLog:
             else:
                 print(line, flush=True)
 
-    def restart_clock(self) -> None:
+    def exclude(self, seconds: float) -> None:
         """Leave time spent outside training steps (a checkpoint save) out of the next line."""
-        if self._pending_iters == 0:
-            self._last = time.monotonic()
+        self._excluded += seconds
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -135,9 +135,10 @@ def train(
             log.message(f" validation at iteration {iteration} | lm loss: "
                         f"{evaluate(wrapped, eval_dataset, run):.6E}")
         if run.save and run.save_interval and iteration % run.save_interval == 0:
+            saving = time.monotonic()
             last_saved = _save(run, iteration, consumed, wrapped, optimizer, scheduler,
                                layout_name, run_metadata)
-            log.restart_clock()  # the next iteration's time excludes the save
+            log.exclude(time.monotonic() - saving)
         if stop_after is not None and iteration >= stop_after:
             break
     finished = iteration == run.train_iters

@@ -26,6 +26,9 @@ def register(sub) -> None:
     which.add_argument("--load-hf", help="HF Mixtral folder, read directly (each rank its slices)")
     which.add_argument("--load", help="megatron-core checkpoint from `convert hf-to-mcore`")
     src.add_argument("--hf-config", default=None, help="config.json for --load if it has none")
+    src.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
+                     default="local", help="layer implementation; LoRA on Transformer Engine's "
+                     "LayerNorm-fused linears is not available yet, so 'local' is the default")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", required=True, help="JSONL: {text} or {prompt, response} or "
                    "{messages}")

@@ -111,7 +111,8 @@ def run_training(args) -> int:
     runtime.initialize(layout, seed=args.seed, model_sizes=info.shape.layout_sizes())
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = build_mixtral_model(info, mixtral_config(info, layout, dtype=dtype,
-                                                     dispatcher=args.moe_token_dispatcher_type))
+                                                     dispatcher=args.moe_token_dispatcher_type),
+                                use_te=args.transformer_impl == "transformer_engine")
     model.to(runtime.device())
     if hf is not None:
         load_hf(model, info, hf)

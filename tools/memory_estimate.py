@@ -1,0 +1,82 @@
+"""Per-GPU memory estimate of LoRA fine-tuning a Mixtral-family model at a parallel layout.
+
+    python tools/memory_estimate.py --hf-config Mixtral-8x7B-v0.1/config.json \
+        --layouts TP2xEP4+SP TP1xEP8 PP2xEP4 TP2xPP2xEP2+SP --world 8 --seq 4096 --rank 16
+
+Counts (bytes per GPU, bf16 model):
+  weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16
+  adapters    LoRA factors held by the GPU, bf16
+  optimizer   per adapter parameter: fp32 main copy + Adam m, v + fp32 grad = 16 bytes
+  activations one micro-batch, flash attention (TE; --unfused-attention adds megatron's local
+              attention's s x s scores), sequence parallel when TP > 1, no
+              recomputation: per layer 2*s*b*h*(5 attention inputs/outputs + 2*k*(1 + 3*f/h)
+              expert tokens*k through fc1/act/fc2) / TP, times layers per stage times the 1F1B
+              in-flight micro-batches (PP on the first stage)
+These are estimates from the shapes, not measurements; leave 10-20% for fragmentation,
+communication buffers and the CUDA context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: int,
+             targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+             unfused_attention: bool = False) -> dict:
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    layers, experts, k = cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    vocab = -(-cfg["vocab_size"] // 128) * 128
+    d = h // heads
+    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
+    per_stage = layers // pp
+    qkv = h * (heads + 2 * kv) * d
+    attn = qkv + heads * d * h
+    expert = 3 * h * f
+    dense_per_layer = attn + experts * h + 2 * h
+    weights = (per_stage * dense_per_layer / tp + per_stage * experts * expert / (ep * etp)
+               + vocab * h / tp * (2 if pp == 1 else 1)) * 2
+    r = rank
+    lora_dense = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
+                  + ("linear_proj" in targets) * (r * heads * d + h * r))
+    lora_expert = ("linear_fc1" in targets) * (r * h + 2 * f * r) + ("linear_fc2" in targets) * (r * f + h * r)
+    adapter_params = per_stage * (lora_dense / tp + experts * lora_expert / (ep * etp))
+    act_layer = 2 * seq * micro_batch * h * (5 + 2 * k * (1 + 3 * f / h)) / tp
+    if unfused_attention:  # local spec: softmax input and output, [b, a/t, s, s] in bf16 each
+        act_layer += 2 * 2 * micro_batch * heads * seq * seq / tp
+    in_flight = pp if pp > 1 else 1
+    activations = act_layer * per_stage * in_flight
+    return {"weights": weights, "adapters": adapter_params * 2, "optimizer": adapter_params * 16,
+            "activations": activations}
+
+
+def main() -> None:
+    from megatron_lora.runtime import ParallelLayout
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hf-config", required=True)
+    p.add_argument("--layouts", nargs="+", required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--unfused-attention", action="store_true",
+                   help="megatron's local attention (s x s scores kept) instead of flash attention")
+    args = p.parse_args()
+    cfg = json.load(open(args.hf_config))
+    gib = 2 ** 30
+    print(f"| layout (world {args.world}) | weights | adapters | optimizer | activations | total |")
+    print("|---|---|---|---|---|---|")
+    for name in args.layouts:
+        layout = ParallelLayout.parse(name)
+        e = estimate(cfg, layout, args.world, args.seq, args.micro_batch_size, args.rank,
+                     unfused_attention=args.unfused_attention)
+        total = sum(e.values())
+        print(f"| {name} | " + " | ".join(f"{v / gib:.1f} GiB" for v in e.values())
+              + f" | {total / gib:.1f} GiB |")
+
+
+if __name__ == "__main__":
+    main()

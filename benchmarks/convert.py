@@ -82,6 +82,13 @@ def plain_copy(src: str, dst: str) -> float:
     return time.perf_counter() - start
 
 
+def largest_tensor_bytes(hf_dir: str) -> int:
+    """Size of the largest tensor of an HF checkpoint, from its safetensors headers."""
+    from megatron_lora.convert.hf_files import HFCheckpoint, _nbytes
+
+    return max(_nbytes(info) for info in HFCheckpoint(hf_dir).tensors.values())
+
+
 def bench_layers(work: str, layers: int, keep: bool) -> dict:
     hf = os.path.join(work, f"hf-{layers}l")
     if not os.path.isdir(hf):
@@ -99,7 +106,8 @@ def bench_layers(work: str, layers: int, keep: bool) -> dict:
     if not keep:
         shutil.rmtree(mcore)
         shutil.rmtree(back)
-    return {"layers": layers, "bytes": total, "copy_seconds": round(copy_s, 2),
+    return {"layers": layers, "bytes": total, "largest_tensor_bytes": largest_tensor_bytes(hf),
+            "copy_seconds": round(copy_s, 2),
             "to_mcore": to_mcore, "to_hf": to_hf}
 
 
@@ -113,7 +121,7 @@ def main() -> int:
     os.makedirs(args.work, exist_ok=True)
     baseline = measure([sys.executable, "-c", IMPORTS])["peak_rss_bytes"]
     runs = [bench_layers(args.work, n, args.keep) for n in sorted(args.layers)]
-    largest_tensor = 32000 * 4096 * 2  # embed_tokens / lm_head in bf16
+    largest_tensor = max(r["largest_tensor_bytes"] for r in runs)
     last = runs[-1]
     peak = max(max(r["to_mcore"]["peak_rss_bytes"], r["to_hf"]["peak_rss_bytes"]) for r in runs)
 

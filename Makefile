@@ -18,6 +18,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	bash examples/layout_parity_cpu.sh
+	bash examples/tiny_mixtral_cpu.sh
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -1,0 +1,86 @@
+"""The product's promise: the same LoRA run gives the same losses and the same adapters at every
+parallel layout (fp32, same data and seed, non-zero adapters after the first step)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.lora.model import LoraConfig, apply_lora, lora_modules
+from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing.reference import save_weights
+from megatron_lora.training.loop import train
+from tests.harness import multirank
+from tests.training import _support as S
+
+STEPS = 20
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["linear_qkv", "linear_proj"], seed=11)
+
+
+def _lora_model(layout, weights=None):
+    model = S.model(layout, weights)
+    adapters = apply_lora(model, LORA, verbose=False)
+    return model, adapters
+
+
+def _global(adapters):
+    """{global name.A/B: factor gathered over the adapter's TP group}."""
+    out = {}
+    for name, ad in adapters.items():
+        g = ad.geometry
+        for key, t, dim in (("A", ad.lora_A, None if g.mode == "column" else 1),
+                            ("B", ad.lora_B, 0 if g.mode == "column" else None)):
+            t = t.detach().contiguous()
+            if dim is not None and g.tp_size > 1:
+                parts = [torch.empty_like(t) for _ in range(g.tp_size)]
+                dist.all_gather(parts, t, group=g.tp_group)
+                t = torch.cat(parts, dim=dim)
+            out[f"{name}.{key}"] = t
+    return out
+
+
+@multirank(world_size=1, timeout=300)
+def _reference(directory, layout=ParallelLayout()):
+    model, adapters = _lora_model(layout)
+    save_weights(model, os.path.join(directory, "weights"))  # base and initial adapters
+    result = train([model], S.dataset(), S.run_config(iters=STEPS), S.optim(STEPS),
+                   layout_name=layout.describe())
+    tensors = _global(adapters)
+    tensors["losses"] = torch.tensor([result.losses[i] for i in range(1, STEPS + 1)])
+    save_file(tensors, os.path.join(directory, "reference.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("lora_train_reference"))
+    _reference(directory=directory)
+    return directory
+
+
+CASES = [
+    pytest.param(ParallelLayout(tp=2, sp=True), 2, id="TP2+SP"),
+    pytest.param(ParallelLayout(ep=2), 2, id="EP2"),
+    pytest.param(ParallelLayout(pp=2, ep=2), 4, id="PP2xEP2"),
+    pytest.param(ParallelLayout(tp=2, pp=2, ep=2, sp=True), 8, id="TP2xPP2xEP2+SP"),
+]
+
+
+@pytest.mark.parametrize("layout,world_size", CASES)
+@multirank(world_size=lambda world_size, **_: world_size, timeout=400)
+def test_same_losses_and_same_adapters_at_every_layout(layout, world_size, lora_reference):
+    reference = load_file(os.path.join(lora_reference, "reference.safetensors"))
+    model = S.model(layout, os.path.join(lora_reference, "weights"))
+    adapters = apply_lora(model, LORA, verbose=False)
+    result = train([model], S.dataset(), S.run_config(iters=STEPS), S.optim(STEPS),
+                   layout_name=layout.describe())
+    losses = torch.tensor([result.losses[i] for i in range(1, STEPS + 1)])
+    assert losses[-1] < losses[0] - 0.1  # it trains
+    torch.testing.assert_close(losses, reference["losses"], rtol=1e-5, atol=0)
+    final = _global(adapters)
+    assert final and all(name in reference for name in final)
+    for name, tensor in final.items():
+        if name.endswith(".B"):
+            assert tensor.abs().max() > 0  # B has moved away from its zero init
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-6)

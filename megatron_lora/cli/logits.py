@@ -7,8 +7,10 @@
 --tokens: a JSON list of token-id lists of equal length. --out: safetensors with one tensor
 `logits` [batch, seq, vocab] fp32 (vocab = config.json's vocab_size, padding dropped), written by
 one rank. Weights come from a torch_dist checkpoint (--load) or straight from HF safetensors
-(--load-hf, each rank reading only its own slices). Every input and the layout are checked on
-every rank before the first collective, so a bad run fails fast on all ranks with one message.
+(--load-hf, each rank reading only its own slices). --adapter adds a LoRA adapter checkpoint (from
+`megatron-lora train` or `import peft`, saved at any layout): apply_lora with the checkpoint's
+LoraConfig, then its factors are loaded. Every input and the layout are checked on every rank
+before the first collective, so a bad run fails fast on all ranks with one message.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def register(sub) -> None:
     src.add_argument("--load-hf", help="HF Mixtral folder, read directly (no conversion)")
     p.add_argument("--hf-config", default=None, help="config.json for a --load checkpoint that "
                    "has no hf_config.json of its own")
+    p.add_argument("--adapter", default=None, help="LoRA adapter checkpoint (run folder or "
+                   "iter_* folder) applied on top of the base weights")
     p.add_argument("--tokens", required=True, help="JSON list of equal-length token-id lists")
     p.add_argument("--out", required=True, help="output .safetensors (tensor 'logits', fp32)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -102,13 +106,19 @@ def _run(args) -> int:
         info.validate_layout(layout, world_size)
         tokens = read_tokens(args.tokens, info.vocab_size)
         _check_batch(tokens, layout, world_size, args.micro_batch_size, info)
+        lora = None
+        if args.adapter:
+            from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+
+            lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
     except (ConversionError, MixtralConfigError, LayoutError) as exc:
         print(f"megatron-lora logits: error: {exc}", file=sys.stderr)
         return 2
-    return _compute(args, layout, info, hf, tokens, torch.bfloat16 if args.bf16 else torch.float32)
+    return _compute(args, layout, info, hf, tokens, torch.bfloat16 if args.bf16 else torch.float32,
+                    lora)
 
 
-def _compute(args, layout, info, hf, tokens, dtype) -> int:
+def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -131,6 +141,12 @@ def _compute(args, layout, info, hf, tokens, dtype) -> int:
         load_hf(model, info, hf)
     else:
         load_mcore(model, args.load)
+    if lora is not None:
+        from megatron_lora.lora.model import apply_lora
+        from megatron_lora.training.checkpoint import load_adapter_weights
+
+        apply_lora(model, lora, verbose=False)
+        load_adapter_weights([model], args.adapter)
     logits = forward_logits(model, tokens.to(runtime.device()), info.vocab_size,
                             micro_batch_size=args.micro_batch_size)
     if logits is not None:

@@ -1,0 +1,178 @@
+"""Adapter checkpoints (what `megatron-lora train` saves) read and written without a model.
+
+Reading: `AdapterCheckpoint(path)` opens an iteration folder (or a run folder, through its
+tracker) with `convert.dcp_read.TorchDistCheckpoint` (no torch.distributed, no pickled code),
+takes the LoraConfig from `common.pt` (`run_metadata.lora`, LoraConfig.to_dict()) and, given the
+model's MixtralInfo, checks every adapter tensor against the table (`table.KINDS`): known key,
+both factors present, global shapes as the config implies. Optimizer entries are ignored.
+
+Writing: `write_adapter_checkpoint` writes the same format from per-adapter factors produced on
+demand (one adapter's factors in memory at a time), into a directory that appears only when
+complete. It holds only the model's adapter tensors (no optimizer state), one chunk per adapter
+box (layer, or layer x expert), and `common.pt` = {"common": {"iteration": 0, "run_metadata":
+{"lora": LoraConfig.to_dict(), ...}}}, so `training.checkpoint.load_adapter_weights` loads it at
+any layout after `apply_lora(model, lora_config_from_dict(...))`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from megatron_lora.convert.atomic import atomic_directory, check_output_free
+from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+from megatron_lora.convert.dcp_write import write_torch_dist
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.mapping import Chunk, McoreTensor
+from megatron_lora.export.table import KINDS, Kind, factor_shapes, sites
+from megatron_lora.lora.model import LoraConfig
+from megatron_lora.models.mixtral import MixtralInfo
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lora_config_from_dict(d: dict, source: str = "run metadata") -> LoraConfig:
+    """LoraConfig from LoraConfig.to_dict() output (dtype by name); ConversionError if invalid."""
+    names = {f.name for f in dataclasses.fields(LoraConfig)}
+    if not isinstance(d, dict):
+        raise ConversionError(f"{source}: LoRA config is not a dict: {d!r}")
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConversionError(f"{source}: unknown LoRA config fields {unknown}")
+    kw = dict(d)
+    if kw.get("dtype") is not None:
+        if kw["dtype"] not in _DTYPES:
+            raise ConversionError(f"{source}: LoRA dtype {kw['dtype']!r} is not one of {sorted(_DTYPES)}")
+        kw["dtype"] = _DTYPES[kw["dtype"]]
+    try:
+        return LoraConfig(**kw)
+    except ValueError as exc:
+        raise ConversionError(f"{source}: {exc}") from None
+
+
+class AdapterCheckpoint:
+    """An adapter checkpoint opened for streamed reading; see the module docstring."""
+
+    def __init__(self, path: str, info: MixtralInfo):
+        from megatron_lora.training.checkpoint import read_run_metadata, resolve
+
+        try:
+            self.directory = resolve(path)
+        except (OSError, ValueError) as exc:
+            raise ConversionError(str(exc)) from None
+        self.info = info
+        self.ckpt = TorchDistCheckpoint(self.directory)
+        common_path = os.path.join(self.directory, "common.pt")
+        try:
+            self.common = read_run_metadata(self.directory)
+        except Exception as exc:
+            raise ConversionError(f"{common_path}: cannot read the run metadata: {exc}") from None
+        lora = (self.common.get("run_metadata") or {}).get("lora")
+        if lora is None:
+            raise ConversionError(f"{common_path}: no run_metadata.lora (not an adapter checkpoint)")
+        self.config = lora_config_from_dict(lora, common_path)
+        self.ranks: Dict[str, int] = self._check_tensors()
+        dtypes = {self.ckpt.dtype(k.a_key) for k in self.kinds()} | {
+            self.ckpt.dtype(k.b_key) for k in self.kinds()}
+        if len(dtypes) != 1:
+            raise ConversionError(f"{self.directory}: adapter factors have mixed dtypes "
+                                  f"{sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+
+    def kinds(self) -> Tuple[Kind, ...]:
+        return tuple(k for k in KINDS if k.name in self.ranks)
+
+    def _check_tensors(self) -> Dict[str, int]:
+        keys = {k for k in self.ckpt.tensors if not k.startswith("optimizer.")}
+        known = {k.a_key: k for k in KINDS} | {k.b_key: k for k in KINDS}
+        unknown = sorted(keys - set(known))
+        if unknown:
+            raise ConversionError(f"{self.directory}: tensors that are not Mixtral LoRA factors "
+                                  f"this exporter knows: {unknown[:5]}")
+        ranks = {}
+        for kind in KINDS:
+            has = [key in keys for key in (kind.a_key, kind.b_key)]
+            if not any(has):
+                continue
+            if not all(has):
+                missing = kind.b_key if has[0] else kind.a_key
+                raise ConversionError(f"{self.directory}: tensor {missing} is missing")
+            a_shape = self.ckpt.shape(kind.a_key)
+            rank = a_shape[kind.lead] if len(a_shape) > kind.lead else -1
+            want = factor_shapes(self.info, kind, rank)
+            for key, got, exp in ((kind.a_key, a_shape, want[0]),
+                                  (kind.b_key, self.ckpt.shape(kind.b_key), want[1])):
+                if tuple(got) != tuple(exp):
+                    raise ConversionError(
+                        f"{self.directory}: tensor {key} has shape {list(got)}, but the model "
+                        f"({self.info.config_fields()}) at rank {rank} implies {list(exp)}")
+            ranks[kind.name] = rank
+        if not ranks:
+            raise ConversionError(f"{self.directory}: no LoRA factors in the checkpoint")
+        return ranks
+
+    def factors(self, site) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(A [r, in], B [out, r]) of one adapter, in the checkpoint dtype (embedding: A [r, Vp],
+        B [h, r])."""
+        kind = site.kind
+        out = []
+        for key in (kind.a_key, kind.b_key):
+            shape = self.ckpt.shape(key)
+            offsets = tuple(site.index) + (0,) * (len(shape) - kind.lead)
+            sizes = (1,) * kind.lead + tuple(shape[kind.lead:])
+            out.append(self.ckpt.read(key, offsets, sizes).reshape(shape[kind.lead:]))
+        return out[0], out[1]
+
+    def scaling(self, site) -> Tuple[int, float, float]:
+        """(rank, alpha, scale) of an adapter from the checkpoint's LoraConfig; ConversionError if
+        the config's rank disagrees with the stored factors."""
+        cfg = self.config.adapter_config(site.name)
+        if cfg.rank != self.ranks[site.kind.name]:
+            raise ConversionError(
+                f"{self.directory}: the LoRA config gives {site.name} rank {cfg.rank}, the stored "
+                f"{site.kind.a_key} has rank {self.ranks[site.kind.name]}")
+        return cfg.rank, float(cfg.alpha), cfg.scaling
+
+
+FactorFn = Callable[[object], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int], factors: FactorFn,
+                             config: LoraConfig, dtype: torch.dtype, run_metadata: dict = None,
+                             overwrite: bool = False) -> None:
+    """Write an adapter checkpoint at `save` (atomically).
+
+    ranks: {kind name: rank} of the kinds to write. factors(site) -> (A, B) with the shapes of one
+    site's box (embedding: A [r, Vp], B [h, r]), called once per factor per site.
+    """
+    check_output_free(save, overwrite)
+    tensors = []
+    by_key: Dict[str, Tuple[Kind, int]] = {}
+    site_of: Dict[Tuple[str, Tuple[int, ...]], object] = {}
+    for kind in KINDS:
+        if kind.name not in ranks:
+            continue
+        a_shape, b_shape = factor_shapes(info, kind, ranks[kind.name])
+        for which, key, shape in ((0, kind.a_key, a_shape), (1, kind.b_key, b_shape)):
+            chunks = []
+            for s in sites(info, kind):
+                offsets = tuple(s.index) + (0,) * (len(shape) - kind.lead)
+                sizes = (1,) * kind.lead + tuple(shape[kind.lead:])
+                chunks.append(Chunk(offsets, sizes, None))
+                site_of[(key, offsets)] = s
+            tensors.append(McoreTensor(key, tuple(shape), tuple(chunks)))
+            by_key[key] = (kind, which)
+
+    def chunk_data(t: McoreTensor, c: Chunk) -> torch.Tensor:
+        kind, which = by_key[t.key]
+        data = factors(site_of[(t.key, tuple(c.offsets))])[which]
+        return data.to(dtype).reshape(c.sizes).contiguous()
+
+    common = {"iteration": 0, "consumed_samples": 0, "layout": None, "world_size": None,
+              "run_metadata": dict(run_metadata or {}, lora=config.to_dict())}
+    with atomic_directory(save, overwrite) as tmp:
+        write_torch_dist(tmp, tensors, [], chunk_data, dtype)
+        torch.save({"common": common}, os.path.join(tmp, "common.pt"))

@@ -1,0 +1,160 @@
+"""PEFT's `adapter_config.json` for LoRA: read (validated), write, and PEFT's scaling rules.
+
+PEFT scales an adapter's update B A by alpha / r (alpha / sqrt(r) with `use_rslora`), where r and
+alpha come from `rank_pattern` / `alpha_pattern` when a key matches the module name, tried in
+dict order with `re.match(rf"(.*\\.)?({key})$", name)`, else from `r` / `lora_alpha`.
+
+Only plain LoRA converts: DoRA, LoRA biases, `fan_in_fan_out`, `modules_to_save`, trainable token
+indices and non-LoRA PEFT types raise ConversionError naming adapter_config.json and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from megatron_lora.convert.errors import ConversionError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class PeftLora:
+    """The fields of a PEFT LoRA config this package uses."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    target_modules: Tuple[str, ...] = ()
+    target_parameters: Tuple[str, ...] = ()
+    rank_pattern: Dict[str, int] = field(default_factory=dict)
+    alpha_pattern: Dict[str, float] = field(default_factory=dict)
+    path: str = CONFIG_NAME
+
+    def rank_alpha(self, *names: str) -> Tuple[int, float]:
+        """(r, alpha) PEFT gives the first of `names` a pattern matches (else the defaults).
+
+        Several names: the same module under the naming of transformers 4 and 5."""
+        return (_lookup(self.rank_pattern, names, self.r),
+                float(_lookup(self.alpha_pattern, names, self.lora_alpha)))
+
+
+def _lookup(patterns: Dict[str, float], names, default):
+    for key, value in patterns.items():
+        for name in names:
+            if re.match(rf"(.*\.)?({key})$", name):
+                return value
+    return default
+
+
+def scale(r: int, alpha: float, use_rslora: bool) -> float:
+    """The factor PEFT (and megatron_lora) multiply B A by."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def alpha_for(target_scale: float, r: int, use_rslora: bool) -> float:
+    """An alpha with scale(r, alpha) == target_scale exactly (in Python floats), so a change of
+    rank (stacking, zero padding) keeps the scale bit for bit."""
+    alpha = target_scale * (math.sqrt(r) if use_rslora else r)
+    for _ in range(64):
+        got = scale(r, alpha, use_rslora)
+        if got == target_scale:
+            return alpha
+        alpha = math.nextafter(alpha, math.inf if got < target_scale else -math.inf)
+    raise ConversionError(f"no alpha gives scale {target_scale!r} at rank {r}")
+
+
+def _require(cfg: dict, path: str, name: str):
+    if name not in cfg:
+        raise ConversionError(f"{path}: required field {name!r} is missing")
+    return cfg[name]
+
+
+def read_adapter_config(directory: str) -> PeftLora:
+    """Read and validate `directory/adapter_config.json` (a LoRA for a Mixtral model)."""
+    path = os.path.join(directory, CONFIG_NAME)
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: file not found (not a PEFT adapter folder)") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    peft_type = _require(cfg, path, "peft_type")
+    if peft_type != "LORA":
+        raise ConversionError(f"{path}: peft_type={peft_type!r}; only 'LORA' adapters convert")
+    unsupported = [
+        ("use_dora", lambda v: bool(v), "DoRA (use_dora=true) is not supported"),
+        ("lora_bias", lambda v: bool(v), "LoRA biases (lora_bias=true) are not supported"),
+        ("bias", lambda v: v not in (None, "none"), "trained biases (bias != 'none') are not supported"),
+        ("fan_in_fan_out", lambda v: bool(v), "fan_in_fan_out=true is not supported"),
+        ("modules_to_save", lambda v: bool(v), "modules_to_save (fully trained modules) is not supported"),
+        ("trainable_token_indices", lambda v: bool(v), "trainable_token_indices is not supported"),
+        ("layer_replication", lambda v: bool(v), "layer_replication is not supported"),
+    ]
+    for name, bad, why in unsupported:
+        if name in cfg and bad(cfg[name]):
+            raise ConversionError(f"{path}: field {name}={cfg[name]!r}: {why}")
+    auto = cfg.get("auto_mapping") or {}
+    base_class = auto.get("base_model_class") if isinstance(auto, dict) else None
+    if base_class is not None and base_class != "MixtralForCausalLM":
+        raise ConversionError(f"{path}: adapter for {base_class}, not MixtralForCausalLM")
+    r = _require(cfg, path, "r")
+    alpha = _require(cfg, path, "lora_alpha")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConversionError(f"{path}: field r={r!r} must be a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ConversionError(f"{path}: field lora_alpha={alpha!r} must be a positive number")
+    if "target_modules" not in cfg and "target_parameters" not in cfg:
+        raise ConversionError(f"{path}: required field 'target_modules' is missing")
+    modules = cfg.get("target_modules") or []
+    if isinstance(modules, str):
+        raise ConversionError(f"{path}: target_modules={modules!r} is a regular expression; "
+                              f"list the module names (q_proj, ..., w1, w2, w3, gate)")
+    params = cfg.get("target_parameters") or []
+    patterns = {}
+    for name in ("rank_pattern", "alpha_pattern"):
+        value = cfg.get(name) or {}
+        if not isinstance(value, dict):
+            raise ConversionError(f"{path}: field {name} must be an object, got {value!r}")
+        patterns[name] = dict(value)
+    return PeftLora(r=r, lora_alpha=float(alpha), use_rslora=bool(cfg.get("use_rslora", False)),
+                    target_modules=tuple(modules), target_parameters=tuple(params),
+                    rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"],
+                    path=path)
+
+
+def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_modules: List[str],
+                        rank_pattern: Dict[str, int], alpha_pattern: Dict[str, float],
+                        lora_dropout: float = 0.0, base_model: Optional[str] = None) -> dict:
+    """A complete PEFT LoRA adapter_config.json for a per-expert Mixtral adapter."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "auto_mapping": {"base_model_class": "MixtralForCausalLM",
+                         "parent_library": "transformers.models.mixtral.modeling_mixtral"},
+        "base_model_name_or_path": base_model,
+        "r": r,
+        "lora_alpha": lora_alpha,
+        "use_rslora": use_rslora,
+        "target_modules": list(target_modules),
+        "rank_pattern": dict(rank_pattern),
+        "alpha_pattern": dict(alpha_pattern),
+        "lora_dropout": lora_dropout,
+        "bias": "none",
+        "lora_bias": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+    }

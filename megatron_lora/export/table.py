@@ -1,0 +1,211 @@
+"""Where every LoRA factor of a Mixtral adapter checkpoint lives, on both sides.
+
+Derived from the one conversion table (`convert.mapping.mcore_tensors`): an adapter on a megatron
+weight has B with that weight's rows ([out, r]) and A with its columns ([r, in]), so the chunks of
+the base weight say which HF module each run of B's rows belongs to. Nothing here repeats the
+q/k/v interleave or the [w1; w3] order: the mapping's own `QKV` and row offsets are used.
+
+Megatron side (adapter checkpoints: ShardedTensor keys of the model's sharded state dict, layers
+and experts as leading axes, global expert index; `lead` = number of leading axes):
+
+| kind         | A key / global shape                     | B key / global shape        |
+|--------------|------------------------------------------|-----------------------------|
+| linear_qkv   | decoder.layers.self_attention.linear_qkv.lora_A [L, r, h]    | ...lora_B [L, (n+2g)d, r] |
+| linear_proj  | decoder.layers.self_attention.linear_proj.lora_A [L, r, n d] | ...lora_B [L, h, r]       |
+| linear_fc1   | decoder.layers.mlp.experts.experts.linear_fc1.lora_A [L, E, r, h] | ...lora_B [L, E, 2f, r] ([w1; w3] rows) |
+| linear_fc2   | decoder.layers.mlp.experts.experts.linear_fc2.lora_A [L, E, r, f] | ...lora_B [L, E, h, r] |
+| router       | decoder.layers.mlp.router.lora.lora_A [L, r, h]      | ...lora_B [L, E, r]             |
+| embedding    | embedding.word_embeddings.lora_A [r, Vp]  | ...lora_B [h, r]           |
+| output_layer | output_layer.lora_A [r, h]                | output_layer.lora_B [Vp, r] |
+
+HF PEFT side (per-expert layout; keys `base_model.model.{module}.lora_A.weight` [r, in] and
+`...lora_B.weight` [out, r]; the embedding `base_model.model.model.embed_tokens.lora_embedding_A`
+[r, V] and `...lora_embedding_B` [h, r], update (B A)^T): the modules are the mapping's HF weight
+names without `.weight` (`model.layers.l.self_attn.q_proj`, `...block_sparse_moe.experts.e.w1`,
+`...block_sparse_moe.gate`, `model.embed_tokens`, `lm_head`). A fused megatron adapter is one A
+shared by its parts, B split by rows: linear_qkv -> q/k/v (per query group interleave),
+linear_fc1 -> w1 (rows 0..f), w3 (rows f..2f). Padded vocabulary rows/columns (V..Vp) are dropped
+on export and zero on import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+from megatron_lora.convert.mapping import QKV, Direct, Zeros, mcore_tensors
+from megatron_lora.models.mixtral import MixtralInfo
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One adapter kind: the base weight's mapping key and the checkpoint keys of its factors."""
+
+    name: str
+    base_key: str
+    prefix: str  # checkpoint keys are prefix + "lora_A" / "lora_B"
+    lead: int  # leading (layer, expert) axes of the stacked checkpoint tensors
+    hf_short: Tuple[str, ...]  # PEFT target_modules names
+
+    @property
+    def a_key(self) -> str:
+        return self.prefix + "lora_A"
+
+    @property
+    def b_key(self) -> str:
+        return self.prefix + "lora_B"
+
+
+KINDS: Tuple[Kind, ...] = (
+    Kind("embedding", "embedding.word_embeddings.weight", "embedding.word_embeddings.", 0,
+         ("embed_tokens",)),
+    Kind("linear_qkv", "decoder.layers.self_attention.linear_qkv.weight",
+         "decoder.layers.self_attention.linear_qkv.", 1, ("q_proj", "k_proj", "v_proj")),
+    Kind("linear_proj", "decoder.layers.self_attention.linear_proj.weight",
+         "decoder.layers.self_attention.linear_proj.", 1, ("o_proj",)),
+    Kind("router", "decoder.layers.mlp.router.weight", "decoder.layers.mlp.router.lora.", 1,
+         ("gate",)),
+    Kind("linear_fc1", "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+         "decoder.layers.mlp.experts.experts.linear_fc1.", 2, ("w1", "w3")),
+    Kind("linear_fc2", "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+         "decoder.layers.mlp.experts.experts.linear_fc2.", 2, ("w2",)),
+    Kind("output_layer", "output_layer.weight", "output_layer.", 0, ("lm_head",)),
+)
+KIND_BY_NAME: Dict[str, Kind] = {k.name: k for k in KINDS}
+# re.search patterns selecting one kind among megatron's global adapter names (LoraConfig patterns)
+KIND_PATTERN: Dict[str, str] = {
+    "embedding": r"^embedding$",
+    "linear_qkv": r"self_attention\.linear_qkv$",
+    "linear_proj": r"self_attention\.linear_proj$",
+    "router": r"mlp\.router$",
+    "linear_fc1": r"experts\.\d+\.linear_fc1$",
+    "linear_fc2": r"experts\.\d+\.linear_fc2$",
+    "output_layer": r"^output_layer$",
+}
+
+
+def module_of(weight_name: str) -> str:
+    """HF module name of an HF weight name (`...q_proj.weight` -> `...q_proj`)."""
+    return weight_name[: -len(".weight")]
+
+
+def short_name(module: str) -> str:
+    return module.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows [row0, row0 + rows) of a megatron B (the base weight's rows) and where they go.
+
+    source: the mapping's chunk source: `Direct` (one HF module), `QKV` (q, k, v interleaved per
+    query group) or `Zeros` (padded vocabulary rows: dropped on export, zero on import)."""
+
+    row0: int
+    rows: int
+    source: object
+
+    def modules(self) -> List[str]:
+        return [module_of(n) for n in self.source.hf_shapes()]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One megatron adapter: its checkpoint box and global name, and the HF modules it covers."""
+
+    kind: Kind
+    index: Tuple[int, ...]  # (layer,) or (layer, expert) or ()
+    name: str  # global adapter name (lora/identity.py), the key LoraConfig patterns search
+    parts: Tuple[Part, ...]  # ordered by row0; cover all B rows
+
+    def modules(self) -> List[str]:
+        return [m for p in self.parts for m in p.modules()]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+
+def _global_name(kind: str, index: Tuple[int, ...]) -> str:
+    if kind in ("embedding", "output_layer"):
+        return kind
+    layer = f"decoder.layers.{index[0]}"
+    return {
+        "linear_qkv": f"{layer}.self_attention.linear_qkv",
+        "linear_proj": f"{layer}.self_attention.linear_proj",
+        "router": f"{layer}.mlp.router",
+        "linear_fc1": f"{layer}.mlp.experts.{index[-1]}.linear_fc1",
+        "linear_fc2": f"{layer}.mlp.experts.{index[-1]}.linear_fc2",
+    }[kind]
+
+
+def sites(info: MixtralInfo, kind: Kind) -> List[Site]:
+    """Every adapter of `kind` in the model, in checkpoint order (layer, then expert)."""
+    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    groups: Dict[Tuple[int, ...], List[Part]] = {}
+    for c in base.chunks:
+        lead = tuple(c.offsets[: kind.lead])
+        rows = c.sizes[kind.lead] if isinstance(c.source, Zeros) else c.source.shape[0]
+        groups.setdefault(lead, []).append(Part(c.offsets[kind.lead], rows, c.source))
+    return [Site(kind, idx, _global_name(kind.name, idx), tuple(sorted(p, key=lambda q: q.row0)))
+            for idx, p in sorted(groups.items())]
+
+
+def in_features(info: MixtralInfo, kind: Kind) -> int:
+    """Columns of the base weight (A's columns); for the embedding, the padded vocabulary."""
+    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    return base.shape[-1] if kind.name != "embedding" else base.shape[0]
+
+
+def factor_shapes(info: MixtralInfo, kind: Kind, rank: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Global checkpoint shapes (A, B) of `kind` at rank `rank`."""
+    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    lead = tuple(base.shape[: kind.lead])
+    if kind.name == "embedding":
+        return (rank, base.shape[0]), (base.shape[1], rank)
+    return lead + (rank, base.shape[-1]), lead + (base.shape[kind.lead], rank)
+
+
+class _DictReader:
+    """The `read(name, index)` a mapping source expects, over a dict of HF-side tensors."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def read(self, name: str, index=None) -> torch.Tensor:
+        t = self.tensors[name]
+        return t if index is None else t[index]
+
+
+def _with_columns(source, r: int):
+    """The same row split as `source`, for a tensor with r columns instead of the weight's."""
+    if isinstance(source, QKV):
+        return QKV(*source.names, source.qpg * source.groups, source.groups, source.d, r)
+    if isinstance(source, Direct):
+        return Direct(source.name, (source.shape[0], r))
+    return Zeros((source.shape[0], r), torch.float32)
+
+
+def split_rows(part: Part, b_rows: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """{HF module: its rows of B} for this part's rows `b_rows` [rows, r] (none for padding)."""
+    src = _with_columns(part.source, b_rows.shape[1])
+    return {module_of(n): t for n, t in src.split(b_rows).items()}
+
+
+def fuse_rows(part: Part, by_module: Dict[str, torch.Tensor], r: int, dtype) -> torch.Tensor:
+    """The inverse of split_rows: this part's [rows, r] of B from each module's rows."""
+    if isinstance(part.source, Zeros):
+        return torch.zeros(part.rows, r, dtype=dtype)
+    src = _with_columns(part.source, r)
+    reader = _DictReader({m + ".weight": t for m, t in by_module.items()})
+    return src.read(reader, (slice(0, part.rows), slice(0, r))).reshape(part.rows, r)
+
+
+def peft_keys(module: str, embedding: bool) -> Tuple[str, str]:
+    """PEFT safetensors keys (A, B) of an HF module in the per-expert layout."""
+    if embedding:
+        return PEFT_PREFIX + module + ".lora_embedding_A", PEFT_PREFIX + module + ".lora_embedding_B"
+    return PEFT_PREFIX + module + ".lora_A.weight", PEFT_PREFIX + module + ".lora_B.weight"

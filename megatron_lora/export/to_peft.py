@@ -1,0 +1,116 @@
+"""Adapter checkpoint -> Hugging Face PEFT LoRA adapter (per-expert layout), streamed.
+
+    export_peft("runs/lora", "my-adapter", hf_config="Mixtral-8x7B-v0.1")
+
+Reads one adapter's factors at a time from the torch_dist checkpoint (any layout it was saved at;
+no model, no torch.distributed, no base weights), splits fused projections losslessly (A copied to
+every part, B's rows split: linear_qkv -> q/k/v by megatron's per-query-group layout, linear_fc1
+-> w1/w3, padded vocabulary rows dropped) and appends them to `adapter_model.safetensors`. Every
+value is copied bit for bit in the checkpoint's dtype. Peak memory: about one adapter's factors
+twice (read + split). `adapter_config.json` gets `r` / `lora_alpha` (the experts' values when they
+are targeted, else the most common ones), `use_rslora`, `target_modules` and `rank_pattern` /
+`alpha_pattern` entries for the modules whose values differ (by module name such as `q_proj`, or
+by full path when instances of one module differ).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from typing import Dict, List, Tuple
+
+from megatron_lora.convert.atomic import atomic_directory, check_output_free
+from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter
+from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+from megatron_lora.export.peft_config import CONFIG_NAME, WEIGHTS_NAME, adapter_config_dict
+from megatron_lora.export.table import module_of, peft_keys, short_name, sites, split_rows
+from megatron_lora.models.mixtral import read_hf_config
+
+# Short module names as PEFT lists them, in model order.
+_ORDER = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "w1", "w3", "w2", "lm_head")
+
+
+def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float]):
+    """rank_pattern, alpha_pattern (PEFT syntax) for modules whose (r, alpha) differ from default."""
+    by_short: Dict[str, set] = {}
+    for module, v in values.items():
+        by_short.setdefault(short_name(module), set()).add(v)
+    rank_p, alpha_p = {}, {}
+    for short in sorted(by_short, key=_ORDER.index):
+        vals = by_short[short]
+        if len(vals) == 1:
+            (r, alpha), = vals
+            keys = {short: (r, alpha)}
+        else:  # instances differ: one entry per module path
+            keys = {re.escape(m): v for m, v in values.items() if short_name(m) == short}
+        for key, (r, alpha) in keys.items():
+            if r != default[0]:
+                rank_p[key] = r
+            if alpha != default[1]:
+                alpha_p[key] = alpha
+    return rank_p, alpha_p
+
+
+def _default(values: Dict[str, Tuple[int, float]]) -> Tuple[int, float]:
+    # transformers 5 fuses w1/w3 into gate_up_proj with PEFT's global r and lora_alpha (it ignores
+    # patterns there), so the experts' values are the defaults when they are targeted.
+    experts = [v for m, v in values.items() if short_name(m) == "w1"]
+    if experts:
+        return Counter(experts).most_common(1)[0][0]
+    return Counter(values.values()).most_common(1)[0][0]
+
+
+def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = False,
+                base_model: str = None) -> dict:
+    """Write `save/adapter_model.safetensors` and `save/adapter_config.json`; returns the config.
+
+    adapter: adapter checkpoint (iteration folder, or a run folder with a tracker).
+    hf_config: the base model's config.json (or its folder; nothing else is read)."""
+    check_output_free(save, overwrite)
+    info = read_hf_config(hf_config)
+    ckpt = AdapterCheckpoint(adapter, info)
+    entries: List[Tuple[str, Tuple[int, ...], object]] = []
+    values: Dict[str, Tuple[int, float]] = {}
+    plan = []
+    for kind in ckpt.kinds():
+        embedding = kind.name == "embedding"
+        for site in sites(info, kind):
+            r, alpha, _ = ckpt.scaling(site)
+            plan.append(site)
+            for part in site.parts:
+                for name, (rows, cols) in part.source.hf_shapes().items():
+                    module = module_of(name)
+                    values[module] = (r, alpha)
+                    a_key, b_key = peft_keys(module, embedding)
+                    a_shape, b_shape = ((r, rows), (cols, r)) if embedding else ((r, cols), (rows, r))
+                    entries += [(a_key, a_shape, ckpt.dtype), (b_key, b_shape, ckpt.dtype)]
+    default = _default(values)
+    rank_p, alpha_p = _patterns(values, default)
+    shorts = sorted({short_name(m) for m in values}, key=_ORDER.index)
+    config = adapter_config_dict(
+        r=default[0], lora_alpha=default[1], use_rslora=ckpt.config.use_rslora,
+        target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
+        lora_dropout=ckpt.config.lora_dropout, base_model=base_model)
+    with atomic_directory(save, overwrite) as tmp:
+        with StreamingSafetensorsWriter(os.path.join(tmp, WEIGHTS_NAME), entries) as w:
+            for site in plan:
+                a, b = ckpt.factors(site)
+                if site.kind.name == "embedding":
+                    vocab = info.vocab_size
+                    module = site.modules()[0]
+                    a_key, b_key = peft_keys(module, True)
+                    w.write(a_key, a[:, :vocab].contiguous())
+                    w.write(b_key, b)
+                    continue
+                for part in site.parts:
+                    rows = b[part.row0:part.row0 + part.rows]
+                    for module, b_part in split_rows(part, rows).items():
+                        a_key, b_key = peft_keys(module, False)
+                        w.write(a_key, a)
+                        w.write(b_key, b_part.contiguous())
+                del a, b
+        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2)
+    return config

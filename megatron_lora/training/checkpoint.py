@@ -217,3 +217,35 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, layout_name: 
     if same_layout and os.path.isfile(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=True))
     return common
+
+
+def resolve(path: str) -> str:
+    """An iteration folder from either itself or a run folder with a tracker."""
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    iteration = read_tracker(path)
+    if iteration is None:
+        raise FileNotFoundError(f"{path}: neither an adapter checkpoint (iter_*/ folder) nor a "
+                                f"run folder with {TRACKER}")
+    return iteration_dir(path, iteration)
+
+
+def read_run_metadata(path: str) -> Dict:
+    """The plain-data `common` section of an adapter checkpoint (no model needed, no collective):
+    iteration, consumed_samples, layout, run_metadata (e.g. {"lora": LoraConfig.to_dict()})."""
+    directory = resolve(path)
+    return torch.load(os.path.join(directory, "common.pt"), weights_only=True)["common"]
+
+
+def load_adapter_weights(model_chunks, path: str) -> Dict:
+    """Load only the trainable (adapter) tensors of a checkpoint into a model that already has
+    its adapters (apply_lora with the checkpoint's config); any layout. Collective."""
+    directory = resolve(path)
+    model_sd = trainable_sharded_state_dict(model_chunks)
+    loaded = dist_checkpointing.load(dict(model_sd), directory)
+    for i, chunk in enumerate(model_chunks):
+        module = getattr(chunk, "module", chunk)
+        _, unexpected = module.load_state_dict(loaded[f"model{i}"], strict=False)
+        if unexpected:
+            raise RuntimeError(f"{directory}: unexpected keys {unexpected[:5]}")
+    return read_run_metadata(directory)

@@ -97,7 +97,7 @@ def run_training(args) -> int:
     from megatron_lora.convert.load import load_hf, load_mcore
     from megatron_lora.lora.model import apply_lora
     from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
-    from megatron_lora.training.loop import train
+    from megatron_lora.training.loop import ResumeMismatchError, train
 
     torchrun_env_defaults(29519)
     world_size = int(os.environ["WORLD_SIZE"])
@@ -127,8 +127,12 @@ def run_training(args) -> int:
                 "hidden_size": info.shape.hidden_size, "num_layers": info.shape.num_layers,
                 "num_experts": info.shape.num_experts}
     start = time.monotonic()
-    result = train([model], train_set, run, optim, layout_name=layout.describe(),
-                   run_metadata=metadata, eval_dataset=eval_set)
+    try:
+        result = train([model], train_set, run, optim, layout_name=layout.describe(),
+                       run_metadata=metadata, eval_dataset=eval_set)
+    except (ResumeMismatchError, ValueError) as exc:  # raised on every rank before any step
+        runtime.shutdown()
+        raise TrainSetupError(str(exc)) from None
     if rank0:
         print(f"trained {result.iteration} iterations in {time.monotonic() - start:.1f} s; "
               f"final loss {result.losses.get(result.iteration, float('nan')):.4f}")

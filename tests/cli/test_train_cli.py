@@ -1,0 +1,119 @@
+"""`megatron-lora train` as a user runs it: under torchrun, killed and resumed, and with bad input."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tiny_example.py"),
+                    "--out", str(out), "--samples", "96"], check=True, capture_output=True)
+    return str(out)
+
+
+def _cmd(tiny, save, iters, *extra, ranks=2):
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                "--master-port", str(29600 + (os.getpid() % 200)), "-m", "megatron_lora"]
+    if ranks == 1:
+        launcher = [sys.executable, "-m", "megatron_lora"]
+    return launcher + [
+        "train", "--load-hf", os.path.join(tiny, "hf"), "--data-path",
+        os.path.join(tiny, "data.jsonl"), "--tokenizer", "byte", "--seq-length", "32",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(iters),
+        "--lr", "5e-3", "--lora-rank", "4", "--lora-alpha", "8", "--save", save,
+        "--log-interval", "1", "--seed", "3",
+        "--lora-target-modules", "linear_qkv", "linear_proj", *extra]
+
+
+def _env():
+    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def _losses(text):
+    return {int(i): l for i, l in re.findall(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)", text)}
+
+
+def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
+    straight = subprocess.run(_cmd(tiny, str(tmp_path / "a"), 6, "--expert-model-parallel-size", "2"),
+                              capture_output=True, text=True, env=_env(), timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = _losses(straight.stdout)
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+
+    save = str(tmp_path / "b")
+    proc = subprocess.Popen(_cmd(tiny, save, 6, "--expert-model-parallel-size", "2",
+                                 "--save-interval", "3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=_env(), start_new_session=True)
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    deadline = time.monotonic() + 240
+    while not os.path.exists(tracker) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    # The whole job at once, like a preempted node: torchrun and every worker it started.
+    job = psutil.Process(proc.pid)
+    members = job.children(recursive=True)
+    for p in members + [job]:
+        p.send_signal(signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(members, timeout=10)
+    assert open(tracker).read().strip() == "3"
+
+    resumed = subprocess.run(_cmd(tiny, save, 6, "--expert-model-parallel-size", "2",
+                                  "--save-interval", "3"),
+                             capture_output=True, text=True, env=_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    got = _losses(resumed.stdout)
+    assert sorted(got) == [4, 5, 6], resumed.stdout[-3000:]
+    assert [got[i] for i in (4, 5, 6)] == [expected[i] for i in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("change,message", [
+    ("malformed", "data.jsonl:3: not valid JSON"),
+    ("batch", "global_batch_size=6 is not a multiple of micro_batch_size=4"),
+    ("layout", "ep=3 does not divide num_experts=4"),
+    ("target", "unknown LoRA target 'qproj'"),
+])
+def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, change, message):
+    args = []
+    data = os.path.join(tiny, "data.jsonl")
+    if change == "malformed":
+        lines = open(data).read().splitlines()
+        lines[2] = lines[2][:-3]
+        data = str(tmp_path / "data.jsonl")
+        open(data, "w").write("\n".join(lines) + "\n")
+    elif change == "batch":
+        args = ["--global-batch-size", "6", "--micro-batch-size", "4"]
+    elif change == "layout":
+        args = ["--expert-model-parallel-size", "3"]
+    elif change == "target":
+        args = ["--lora-target-modules", "qproj"]  # the later flag wins
+    cmd = _cmd(tiny, str(tmp_path / "run"), 2, *args, ranks=1)
+    cmd[cmd.index("--data-path") + 1] = data
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=200)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not os.path.exists(tmp_path / "run")  # nothing written
+
+
+def test_resume_with_another_lora_rank_is_refused(tiny, tmp_path):
+    save = str(tmp_path / "run")
+    first = subprocess.run(_cmd(tiny, save, 1, ranks=1), capture_output=True, text=True,
+                           env=_env(), timeout=200)
+    assert first.returncode == 0, first.stderr[-2000:]
+    cmd = _cmd(tiny, save, 2, ranks=1)
+    cmd[cmd.index("--lora-rank") + 1] = "8"
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=200)
+    assert out.returncode == 2 and "was written with" in out.stderr and "'r': 4" in out.stderr

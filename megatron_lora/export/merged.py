@@ -1,0 +1,114 @@
+"""Base torch_dist checkpoint + adapter checkpoint -> merged Hugging Face safetensors, streamed.
+
+    export_merged_hf("mixtral-mcore", "runs/lora", "Mixtral-merged")
+
+The walk is mcore-to-hf's (`convert.mcore_to_hf`): chunks of the mapping table in HF order, each
+box read from the base checkpoint at whatever layout it was saved, split into HF tensors and
+appended to the current shard. A box of a weight that carries an adapter gets, before the split,
+W + scale * B[rows] A (the rows of B that box covers; the embedding: rows of (scale * B A)^T),
+computed in fp32 and cast back to the base dtype. One box and one adapter's factors are in memory
+at a time. Tied embeddings with an embedding or output-layer adapter are refused (merging one
+would change the other).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Dict, List, Tuple
+
+import torch
+
+from megatron_lora.convert.atomic import atomic_directory, check_output_free
+from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.hf_to_mcore import HF_FILES, read_mcore_info
+from megatron_lora.convert.mapping import Zeros, mcore_tensors
+from megatron_lora.convert.mcore_to_hf import DEFAULT_SHARD_BYTES, _check_shapes, _order
+from megatron_lora.convert.progress import byte_bar
+from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter, nbytes
+from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+from megatron_lora.export.table import sites
+
+
+class _Merger:
+    """W + delta for boxes of adapted weights; caches the last adapter's fp32 factors."""
+
+    def __init__(self, adapter: AdapterCheckpoint, info):
+        self.adapter = adapter
+        self.by_base = {k.base_key: k for k in adapter.kinds()}
+        self.sites = {(k.name, s.index): s for k in adapter.kinds() for s in sites(info, k)}
+        self._cached: Tuple[object, tuple] = (None, ())
+
+    def _factors(self, site):
+        if self._cached[0] is not site:
+            a, b = self.adapter.factors(site)
+            _, _, scale = self.adapter.scaling(site)
+            self._cached = (site, (a.float(), b.float(), scale))
+        return self._cached[1]
+
+    def apply(self, key: str, chunk, box: torch.Tensor) -> torch.Tensor:
+        kind = self.by_base.get(key)
+        if kind is None:
+            return box
+        site = self.sites[(kind.name, tuple(chunk.offsets[:kind.lead]))]
+        a, b, scale = self._factors(site)
+        row0, rows = chunk.offsets[kind.lead], chunk.source.shape[0]
+        if kind.name == "embedding":  # rows of (B A)^T: [rows, h]
+            delta = (b @ a[:, row0:row0 + rows]).t()
+        else:
+            delta = b[row0:row0 + rows] @ a
+        return (box.float() + delta.mul_(scale).reshape(box.shape)).to(box.dtype)
+
+
+def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = None,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                     progress: bool = True) -> None:
+    """Write the merged model as HF safetensors shards + index + config.json at `save`."""
+    check_output_free(save, overwrite)
+    info = read_mcore_info(load, hf_config)
+    ckpt = TorchDistCheckpoint(load)
+    merger = _Merger(AdapterCheckpoint(adapter, info), info)
+    if info.shape.tie_embeddings and {"embedding", "output_layer"} & set(merger.adapter.ranks):
+        raise ConversionError(f"{adapter}: an embedding or output-layer adapter cannot be merged "
+                              f"into a model with tied embeddings")
+    tensors = mcore_tensors(info)
+    _check_shapes(ckpt, tensors, info)
+    items = sorted(((t, c) for t in tensors for c in t.chunks if not isinstance(c.source, Zeros)),
+                   key=_order)
+    entries = [[(n, s, ckpt.dtype(t.key)) for n, s in c.source.hf_shapes().items()]
+               for t, c in items]
+    shards: List[List[int]] = [[]]
+    size = 0
+    for i, ent in enumerate(entries):
+        b = sum(nbytes(s, d) for _, s, d in ent)
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += b
+    total = sum(nbytes(s, d) for ent in entries for _, s, d in ent)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: Dict[str, str] = {}
+    with atomic_directory(save, overwrite) as tmp, byte_bar(total, "merge", progress) as bar:
+        for file, members in zip(names, shards):
+            declared = [e for i in members for e in entries[i]]
+            with StreamingSafetensorsWriter(os.path.join(tmp, file), declared) as w:
+                for i in members:
+                    t, c = items[i]
+                    box = ckpt.read(t.key, c.offsets, c.sizes).reshape(c.source.shape)
+                    box = merger.apply(t.key, c, box)
+                    for name, tensor in c.source.split(box).items():
+                        w.write(name, tensor)
+                        weight_map[name] = file
+                        bar.update(tensor.nbytes)
+                    del box
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(info.hf_config, f, indent=2)
+        kept = os.path.join(load, HF_FILES)
+        if os.path.isdir(kept):
+            for name in sorted(os.listdir(kept)):
+                shutil.copyfile(os.path.join(kept, name), os.path.join(tmp, name))

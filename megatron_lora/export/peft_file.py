@@ -1,0 +1,206 @@
+"""The tensors of a PEFT LoRA `adapter_model.safetensors` for Mixtral, parsed and checked.
+
+Accepted keys (`base_model.model.` + module + `.lora_A.weight` / `.lora_B.weight`, the embedding
+`.lora_embedding_A` / `.lora_embedding_B`):
+
+| module (transformers 4 per-expert names; `mlp.` accepted for `block_sparse_moe.`) | factors |
+|---|---|
+| model.layers.L.self_attn.{q,k,v,o}_proj                 | A [r, in], B [out, r] |
+| model.layers.L.block_sparse_moe.experts.E.{w1,w2,w3}    | A [r, in], B [out, r] |
+| model.layers.L.block_sparse_moe.gate                    | A [r, h], B [E, r]    |
+| model.embed_tokens (lora_embedding_A [r, V], lora_embedding_B [h, r]) | update (B A)^T |
+| lm_head                                                 | A [r, h], B [V, r]    |
+| transformers 5 fused: model.layers.L.mlp.experts[.base_layer] (gate_up_proj / down_proj, told apart by shape) | A [E r, in] (expert-major rows), B [out, E r] (column j = rank j // E of expert j % E) |
+
+`*.base_layer.weight` copies of embed_tokens / lm_head (PEFT saves them when it targets embedding
+layers) are skipped if they have the base model's shape. Anything else, a wrong shape or a layer
+or expert outside the model is a ConversionError naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from safetensors import safe_open
+
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.mapping import hf_shapes
+from megatron_lora.export.peft_config import WEIGHTS_NAME, PeftLora, scale
+from megatron_lora.models.mixtral import MixtralInfo
+
+_PREFIX = "base_model.model."
+_FACTOR = re.compile(r"^(?P<module>.+)\.(?:(?P<lin>lora_[AB])\.weight|(?P<emb>lora_embedding_[AB]))$")
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)$")
+_GATE = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts(?:\.base_layer)*$")
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_SKIPPABLE = ("model.embed_tokens.base_layer.weight", "lm_head.base_layer.weight")
+
+
+@dataclass
+class Factor:
+    """One PEFT LoRA pair: keys, rank, and the (r, alpha) scale PEFT gives it."""
+
+    a_key: Optional[str] = None
+    b_key: Optional[str] = None
+    rank: int = 0
+    scale: float = 0.0
+    alpha: float = 0.0
+
+
+class PeftAdapterFile:
+    """`adapter_model.safetensors` of a PEFT LoRA for the model `info`.
+
+    modules: {canonical HF module (mapping names, `block_sparse_moe`): Factor}
+    fused: {(layer, "gate_up" | "down"): Factor} (transformers 5 layout; rank is per expert)
+    """
+
+    def __init__(self, directory: str, info: MixtralInfo, config: PeftLora):
+        self.path = os.path.join(directory, WEIGHTS_NAME)
+        if not os.path.isfile(self.path):
+            other = os.path.join(directory, "adapter_model.bin")
+            extra = " (adapter_model.bin, a pickle, is not read: convert it to safetensors)" \
+                if os.path.isfile(other) else ""
+            raise ConversionError(f"{self.path}: file not found{extra}")
+        self.info, self.config = info, config
+        self.shapes: Dict[str, Tuple[int, ...]] = {}
+        dtypes = {}
+        try:
+            with safe_open(self.path, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    self.shapes[key] = tuple(sl.get_shape())
+                    dtypes[key] = sl.get_dtype()
+        except Exception as exc:
+            raise ConversionError(f"{self.path}: not a readable safetensors file (truncated or "
+                                  f"corrupt?): {exc}") from None
+        kinds = set(dtypes.values())
+        if len(kinds) != 1:
+            raise ConversionError(f"{self.path}: tensors have mixed dtypes {sorted(kinds)}")
+        self.dtype = _DTYPES.get(kinds.pop())
+        if self.dtype is None:
+            raise ConversionError(f"{self.path}: unsupported dtype {sorted(set(dtypes.values()))}")
+        self.modules: Dict[str, Factor] = {}
+        self.fused: Dict[Tuple[int, str], Factor] = {}
+        self._hf = hf_shapes(info)
+        raw: Dict[str, Dict[str, str]] = {}
+        for key in sorted(self.shapes):
+            if not key.startswith(_PREFIX):
+                raise ConversionError(f"{self.path}: key {key!r} does not start with {_PREFIX!r}")
+            name = key[len(_PREFIX):]
+            if name in _SKIPPABLE:
+                self._check_base_copy(key, name)
+                continue
+            m = _FACTOR.match(name)
+            if not m:
+                raise ConversionError(f"{self.path}: key {key!r} is not a LoRA factor (DoRA "
+                                      f"magnitudes, biases and other PEFT methods do not convert)")
+            which = (m.group("lin") or m.group("emb"))[-1]
+            raw.setdefault(m.group("module"), {})[which] = key
+        for module, keys in raw.items():
+            for which in "AB":
+                if which not in keys:
+                    other = keys["B" if which == "A" else "A"]
+                    raise ConversionError(f"{self.path}: key {other!r} has no lora_{which} partner")
+            self._add(module, keys["A"], keys["B"])
+        if not self.modules and not self.fused:
+            raise ConversionError(f"{self.path}: no LoRA factors found")
+        if self.fused and any(".experts." in m for m in self.modules):
+            raise ConversionError(f"{self.path}: mixes per-expert and fused expert LoRA keys")
+
+    def _check_base_copy(self, key: str, name: str) -> None:
+        want = self._hf["model.embed_tokens.weight" if "embed" in name else "lm_head.weight"]
+        if self.shapes[key] != want:
+            raise ConversionError(f"{self.path}: key {key!r} has shape {list(self.shapes[key])}, the "
+                                  f"model's is {list(want)} (resized vocabulary is not supported)")
+
+    def _bad_shape(self, key: str, want) -> ConversionError:
+        return ConversionError(
+            f"{self.path}: key {key!r} has shape {list(self.shapes[key])}, but the model "
+            f"({self.info.config_fields()}) implies {want}")
+
+    def _layer(self, key: str, layer: str, expert: str = None) -> int:
+        s = self.info.shape
+        if int(layer) >= s.num_layers or (expert is not None and int(expert) >= s.num_experts):
+            raise ConversionError(f"{self.path}: key {key!r} names a layer or expert the model "
+                                  f"({self.info.config_fields()}) does not have")
+        return int(layer)
+
+    def _add(self, module: str, a_key: str, b_key: str) -> None:
+        a, b = self.shapes[a_key], self.shapes[b_key]
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            raise ConversionError(f"{self.path}: keys {a_key!r} {list(a)} and {b_key!r} {list(b)} "
+                                  f"are not a LoRA pair [r, in], [out, r]")
+        fm = _FUSED.match(module)
+        if fm:
+            return self._add_fused(int(self._layer(a_key, fm.group(1))), a_key, b_key)
+        names = (module,)
+        if (m := _ATTN.match(module)):
+            self._layer(a_key, m.group(1))
+            canonical = module
+        elif (m := _EXPERT.match(module)):
+            self._layer(a_key, m.group(1), m.group(2))
+            canonical = f"model.layers.{m.group(1)}.block_sparse_moe.experts.{m.group(2)}.{m.group(3)}"
+        elif (m := _GATE.match(module)):
+            self._layer(a_key, m.group(1))
+            canonical = f"model.layers.{m.group(1)}.block_sparse_moe.gate"
+            names = (module, module + ".weight")
+        elif module in ("model.embed_tokens", "lm_head"):
+            canonical = module
+        else:
+            raise ConversionError(f"{self.path}: key {a_key!r}: module {module!r} is not a "
+                                  f"Mixtral module this importer knows")
+        out, inp = self._hf[canonical + ".weight"]
+        if module == "model.embed_tokens":  # A [r, V], B [h, r]
+            out, inp = inp, out
+            if "lora_embedding" not in a_key:
+                raise ConversionError(f"{self.path}: key {a_key!r}: embed_tokens factors are "
+                                      f"named lora_embedding_A / lora_embedding_B")
+        if a[1] != inp:
+            raise self._bad_shape(a_key, [a[0], inp])
+        if b[0] != out:
+            raise self._bad_shape(b_key, [out, b[1]])
+        if canonical in self.modules:
+            raise ConversionError(f"{self.path}: key {a_key!r}: module {canonical} appears twice")
+        self.modules[canonical] = self._factor(a_key, b_key, a[0], names, a_key)
+
+    def _add_fused(self, layer: int, a_key: str, b_key: str) -> None:
+        s = self.info.shape
+        E, h, f = s.num_experts, s.hidden_size, s.ffn_hidden_size
+        a, b = self.shapes[a_key], self.shapes[b_key]
+        if a[1] == h and b[0] == 2 * f:
+            which, param = "gate_up", "gate_up_proj"
+        elif a[1] == f and b[0] == h:
+            which, param = "down", "down_proj"
+        else:
+            raise ConversionError(
+                f"{self.path}: key {a_key!r} {list(a)} / {b_key!r} {list(b)} fit neither "
+                f"gate_up_proj (A [E*r, {h}], B [{2 * f}, E*r]) nor down_proj (A [E*r, {f}], "
+                f"B [{h}, E*r]) of the model ({self.info.config_fields()})")
+        if a[0] % E:
+            raise ConversionError(f"{self.path}: key {a_key!r} has {a[0]} rows, not a multiple "
+                                  f"of the {E} experts")
+        if (layer, which) in self.fused:
+            raise ConversionError(f"{self.path}: key {a_key!r}: {param} of layer {layer} appears twice")
+        names = (f"model.layers.{layer}.mlp.experts.{param}", f"model.layers.{layer}.mlp.experts")
+        self.fused[(layer, which)] = self._factor(a_key, b_key, a[0] // E, names, a_key)
+
+    def _factor(self, a_key, b_key, rank, names, where) -> Factor:
+        cfg_rank, alpha = self.config.rank_alpha(*names)
+        if cfg_rank != rank:
+            raise ConversionError(
+                f"{self.path}: key {where!r} has rank {rank}, but {self.config.path} gives "
+                f"{names[0]} rank {cfg_rank} (r / rank_pattern)")
+        return Factor(a_key, b_key, rank, scale(rank, alpha, self.config.use_rslora), alpha)
+
+    def read(self, key: str) -> torch.Tensor:
+        try:
+            with safe_open(self.path, framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as exc:
+            raise ConversionError(f"{self.path}: cannot read tensor {key!r}: {exc}") from None

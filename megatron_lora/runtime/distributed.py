@@ -19,6 +19,8 @@ from megatron_lora.runtime import cpu_compat
 from megatron_lora.runtime.layout import ParallelLayout
 
 _CURRENT: Optional[ParallelLayout] = None
+# Process groups that existed before megatron built its own; destroy() frees only the others.
+_GROUPS_BEFORE: Optional[set] = None
 
 
 def default_backend() -> str:
@@ -71,6 +73,8 @@ def initialize(
     layout.validate(world_size, **(model_sizes or {}))
     if _CURRENT is not None or parallel_state.model_parallel_is_initialized():
         destroy()
+    global _GROUPS_BEFORE
+    _GROUPS_BEFORE = set(_live_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -84,6 +88,14 @@ def initialize(
     return layout
 
 
+def _live_groups():
+    if not dist.is_initialized():
+        return []
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map.keys())
+
+
 def current_layout() -> Optional[ParallelLayout]:
     return _CURRENT
 
@@ -93,9 +105,16 @@ def destroy() -> None:
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
-    global _CURRENT
+    global _CURRENT, _GROUPS_BEFORE
     parallel_state.destroy_model_parallel()
     destroy_num_microbatches_calculator()
+    # megatron forgets its groups without destroying them; each gloo group keeps its threads and
+    # sockets, so processes that initialise many layouts would pile them up.
+    if _GROUPS_BEFORE is not None and dist.is_initialized():
+        for group in _live_groups():
+            if group not in _GROUPS_BEFORE and group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+    _GROUPS_BEFORE = None
     _CURRENT = None
 
 

@@ -81,3 +81,26 @@ def test_rng_streams_are_reproducible_per_layout_and_follow_megatrons_rules():
     # Another seed gives other numbers.
     runtime.initialize(ParallelLayout(tp=2, sp=True), seed=8)
     assert not torch.equal(_draws()[1], first[1])
+
+
+@multirank(world_size=2)
+def test_destroy_frees_megatrons_process_groups_and_their_threads():
+    import os
+
+    from torch.distributed import distributed_c10d
+
+    def native_threads():
+        return len(os.listdir("/proc/self/task"))
+
+    runtime.initialize(ParallelLayout(tp=2, sp=True))
+    runtime.destroy()
+    groups, threads = len(distributed_c10d._world.pg_map), native_threads()
+    for _ in range(5):
+        runtime.initialize(ParallelLayout(ep=2))
+        assert len(distributed_c10d._world.pg_map) > groups
+        runtime.destroy()
+    assert len(distributed_c10d._world.pg_map) == groups
+    assert native_threads() <= threads + 2  # gloo threads of the groups are gone
+    flags = torch.ones(1)
+    dist.all_reduce(flags)  # the world group still works
+    assert flags.item() == 2

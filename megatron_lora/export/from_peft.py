@@ -14,8 +14,9 @@ the PEFT modules it covers:
   (gate_up_proj rows are already [w1; w3]).
 
 Scaling: PEFT scales each part by alpha_i / r_i (alpha_i / sqrt(r_i) with rsLoRA). A site keeps
-its parts' common scale s exactly: megatron_lora's alpha becomes `alpha_for(s, new rank)` (alpha is
-adjusted, the factors are copied bit for bit). Only when stacked parts have different scales is
+its parts' common scale s: megatron_lora's alpha becomes `alpha_for(s, new rank)` (alpha is
+adjusted, the factors are copied bit for bit; the scale is exact, or within 1e-16 relative when no
+double alpha gives it exactly, as can happen with rsLoRA's sqrt). Only when stacked parts have different scales is
 the ratio s_i / s folded into B_i (one rounding per element, reported as `rescaled`).
 
 Checkpoint tensors are stacked over layers and experts, so all sites of a kind share one rank:
@@ -27,6 +28,7 @@ before writing).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -189,7 +191,7 @@ def _lora_config(info, ranks: Dict[str, int], site_scales: Dict[str, Tuple[str, 
                         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
     for name, (kind, s) in site_scales.items():
         got = config.adapter_config(name)
-        if got.rank != ranks[kind] or got.scaling != s:
+        if got.rank != ranks[kind] or not math.isclose(got.scaling, s, rel_tol=1e-15):
             raise AssertionError(f"LoraConfig gives {name} rank {got.rank} scale {got.scaling}, "
                                  f"wanted {ranks[kind]}, {s}")
     return config

@@ -58,15 +58,22 @@ def scale(r: int, alpha: float, use_rslora: bool) -> float:
 
 
 def alpha_for(target_scale: float, r: int, use_rslora: bool) -> float:
-    """An alpha with scale(r, alpha) == target_scale exactly (in Python floats), so a change of
-    rank (stacking, zero padding) keeps the scale bit for bit."""
+    """An alpha with scale(r, alpha) == target_scale, so a change of rank (stacking, zero
+    padding) keeps the scale: exact in Python floats when one of the doubles around
+    target_scale * r (or * sqrt(r)) gives it, else the closest (a relative error of about 1e-16,
+    far below the fp32/bf16 resolution the update is computed in)."""
     alpha = target_scale * (math.sqrt(r) if use_rslora else r)
-    for _ in range(64):
-        got = scale(r, alpha, use_rslora)
-        if got == target_scale:
-            return alpha
-        alpha = math.nextafter(alpha, math.inf if got < target_scale else -math.inf)
-    raise ConversionError(f"no alpha gives scale {target_scale!r} at rank {r}")
+    best = alpha
+    for direction in (math.inf, -math.inf):
+        a = alpha
+        for _ in range(16):
+            got = scale(r, a, use_rslora)
+            if got == target_scale:
+                return a
+            if abs(got - target_scale) < abs(scale(r, best, use_rslora) - target_scale):
+                best = a
+            a = math.nextafter(a, direction)
+    return best
 
 
 def _require(cfg: dict, path: str, name: str):

@@ -1,0 +1,70 @@
+"""Shared pieces of the export tests: the LoRA config trained, a dataset within the tiny vocabulary,
+the transformers + PEFT oracle, and megatron logits with an adapter at one rank."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from megatron_lora.lora.model import LoraConfig
+
+# Targets megatron_lora's apply_lora supports; a different rank and alpha on linear_proj so that
+# rank_pattern / alpha_pattern are exported.
+TARGETS = ["linear_qkv", "linear_proj"]
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, rank_pattern={"linear_proj": 2},
+                  alpha_pattern={"linear_proj": 6}, seed=3)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def dataset(vocab: int = 250, seed: int = 0):
+    from megatron_lora.data import PackedDataset, Sample, pack_samples
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(16):
+        ids = torch.randint(0, vocab, (12,), generator=g).tolist()
+        samples.append(Sample(ids, [1] * len(ids)))
+    return PackedDataset(pack_samples(samples, 16, pad_id=0), seed=seed)
+
+
+def hf_model(hf_dir: str):
+    from transformers import MixtralForCausalLM
+
+    m = MixtralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager",
+                                           experts_implementation="eager", dtype=torch.float32)
+    return m.eval()
+
+
+@torch.no_grad()
+def peft_logits(hf_dir: str, adapter_dir: str, tokens: torch.Tensor, merged: bool = False):
+    """transformers + PEFT logits of the base with the adapter (or merge_and_unload'ed)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(hf_model(hf_dir), adapter_dir).eval()
+    if merged:
+        model = model.merge_and_unload()
+    return model(tokens).logits.float()
+
+
+@torch.no_grad()
+def hf_logits(hf_dir: str, tokens: torch.Tensor):
+    return hf_model(hf_dir)(tokens).logits.float()
+
+
+def cli(*args, nproc: int = 1, port: int = 29561) -> subprocess.CompletedProcess:
+    """Run `megatron-lora ARGS` (under torchrun when nproc > 1); returns the finished process."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(port), "-m", "megatron_lora", *args]
+    else:
+        cmd = [sys.executable, "-m", "megatron_lora", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def write_tokens(path: str, tokens: torch.Tensor) -> str:
+    with open(path, "w") as f:
+        json.dump(tokens.tolist(), f)
+    return path

@@ -16,11 +16,21 @@ LoRA-path communication per forward+backward ([T, r] = tokens x rank; nothing hi
     column with gather_output: all-gather B ([out, r], a weight) instead of the output, so the
         backward all-reduce disappears (the output gradient is already complete on every rank)
     row with a non-parallel input: all-gather A ([r, in], a weight); no activation collective.
+    expert linear with explicit expert communication (group = expert-TP, see parallel.py):
+        no activation collective at all. The token dispatcher reduces the base's partial sums
+        (column input gradient, row output) and the LoRA term's with them; the replicated factor
+        (column A, row B) sees a partial gradient on each rank and is summed over the expert-TP
+        group by `collectives.grad_sum` ([r, in] / [out, r], once per forward).
 
 Gradients of a replicated factor that sees different tokens on each rank (column A under SP, row
 B under SP) are partial sums; the factor carries megatron's `sequence_parallel = True` attribute,
 so `finalize_model_grads` sums them over the TP group with the layer norms' gradients (once per
-step, after gradient accumulation). Nothing here uses parameter hooks.
+step, after gradient accumulation). Nothing here uses parameter hooks. Expert adapters carry
+`allreduce = False` (megatron DDP reduces them over the expert-data-parallel group) and never
+`sequence_parallel` (finalize_model_grads knows only the dense TP group).
+
+A column base with partition stride > 1 (a gated fc1: rank k holds [gate_k; up_k]) gets its B
+rows with the same stride, so B's global layout is the base weight's ([gate; up]) at every TP.
 
 Factors are initialised as global tensors from a generator seeded with `seed`, then sliced, so
 the global factors are the same at every layout.
@@ -38,6 +48,11 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 
 from megatron_lora.lora import collectives as C
 from megatron_lora.lora import merge as M
+from megatron_lora.lora.checkpoint import (
+    accept_unwrapped_keys,
+    factor_sharded_tensors,
+    with_dp_cp_group,
+)
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import draw_dropout_key
 from megatron_lora.lora.parallel import COLUMN, LinearGeometry, describe_base_layer
@@ -68,9 +83,12 @@ def init_global_factors(
     return a, b
 
 
-def _shard(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    part = t.shape[dim] // size
-    return t.narrow(dim, rank * part, part)
+def _shard(t: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1) -> torch.Tensor:
+    """This rank's part of the global `t` along dim, as megatron splits a weight with
+    `partition_stride`: chunks of t.shape[dim] / (size * stride), rank takes rank, rank+size..."""
+    chunk = t.shape[dim] // (size * stride)
+    parts = [t.narrow(dim, (j * size + rank) * chunk, chunk) for j in range(stride)]
+    return parts[0] if stride == 1 else torch.cat(parts, dim=dim)
 
 
 def _up(u: torch.Tensor, b: torch.Tensor, add_to: Optional[torch.Tensor]) -> torch.Tensor:
@@ -134,21 +152,35 @@ class LoraAdapter(torch.nn.Module):
         self._disabled = False
 
         weight = base_layer.weight
-        dtype = config.dtype or weight.dtype
+        if weight is None:  # output layer with tied embeddings: the weight comes at forward
+            dtype, device = config.dtype or base_layer.config.params_dtype, None
+        else:
+            dtype, device = config.dtype or weight.dtype, weight.device
         a, b = init_global_factors(config, geometry.in_features, geometry.out_features, seed)
         t, rank = geometry.tp_size, geometry.tp_rank
         if geometry.mode == COLUMN:
-            b = _shard(b, 0, t, rank)
+            b = _shard(b, 0, t, rank, geometry.stride)
         else:
             a = _shard(a, 1, t, rank)
-        self.lora_A = torch.nn.Parameter(a.to(device=weight.device, dtype=dtype).contiguous())
-        self.lora_B = torch.nn.Parameter(b.to(device=weight.device, dtype=dtype).contiguous())
+        self.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
+        self.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype).contiguous())
         self._set_parallel_attributes(weight)
         if freeze_base:
             for p in base_layer.parameters(recurse=False):
                 p.requires_grad_(False)
+        accept_unwrapped_keys(self)
 
-    def _set_parallel_attributes(self, base_weight: torch.Tensor) -> None:
+    # megatron code reads these on the module it built (LanguageModule: `output_layer.weight`,
+    # `embedding.word_embeddings.weight`); the wrapper answers for its base.
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return getattr(self.base_layer, "bias", None)
+
+    def _set_parallel_attributes(self, base_weight: Optional[torch.Tensor]) -> None:
         g = self.geometry
         if g.mode == COLUMN:
             sharded, replicated, dim = self.lora_B, self.lora_A, 0
@@ -160,10 +192,13 @@ class LoraAdapter(torch.nn.Module):
         set_tensor_model_parallel_attributes(replicated, False, -1, 1)
         # Replicated factor fed different tokens on each rank (SP): its gradient is partial and
         # finalize_model_grads sums parameters marked like this over the TP group.
-        replicated.sequence_parallel = g.sequence_parallel
+        # Expert linears never: their group is not the dense TP group finalize_model_grads uses.
+        replicated.sequence_parallel = g.sequence_parallel and not g.is_expert
         sharded.sequence_parallel = False
-        # Data-parallel reduction group follows the base (experts: expert-data-parallel).
-        allreduce = getattr(base_weight, "allreduce", True)
+        # Data-parallel reduction group: expert adapters always go to the expert-data-parallel
+        # buffers (allreduce=False), even at EP=1 where megatron leaves its own expert weights
+        # dense: with expert-TP != TP the expert-DP group is not the dense DP group.
+        allreduce = not g.is_expert and getattr(base_weight, "allreduce", True)
         for p in (self.lora_A, self.lora_B):
             p.allreduce = allreduce
 
@@ -193,6 +228,8 @@ class LoraAdapter(torch.nn.Module):
         p = self.config.dropout if self.training else 0.0
         key = draw_dropout_key(input_.device) if p > 0.0 else None
         tokens_local = input_.numel() // input_.shape[-1]
+        if g.dispatcher_reduces:
+            return self._expert_lora(input_, p, key, add_to)
         if g.mode == COLUMN:
             gather_output = g.gather_output if gather_output is None else gather_output
             # Input: this rank's sequence shard under SP (tokens start at rank * local tokens,
@@ -222,6 +259,22 @@ class LoraAdapter(torch.nn.Module):
             a = C.gather_weight(self.lora_A, group, 1)
             u = lora_down(input_, a, self.scaling, p, key, 0, 0)
         return _up(u, self.lora_B, add_to)
+
+    def _expert_lora(self, input_, p, key, add_to):
+        # Input [tokens, in] (column: the same tokens on every expert-TP rank; row: this rank's
+        # [tokens, in/t] slice). No activation collective: the dispatcher sums what the base
+        # leaves partial, and the LoRA term is partial in exactly the same way.
+        g = self.geometry
+        if g.mode == COLUMN:
+            # dL/du = dL/dy_k B_k^T is partial over the group (B sharded on out): A's gradient is
+            # summed over the group; the input gradient stays partial, like the base's.
+            a = C.grad_sum(self.lora_A, g.tp_group)
+            u = lora_down(input_, a, self.scaling, p, key, 0, 0)
+            return _up(u, self.lora_B, add_to)
+        # u_k = x_k A_k^T is this rank's partial sum; u_k B^T summed by the dispatcher is exact,
+        # but B's gradient dy^T u_k is partial: summed over the group.
+        u = lora_down(input_, self.lora_A, self.scaling, p, key, 0, g.tp_rank * g.in_local)
+        return _up(u, C.grad_sum(self.lora_B, g.tp_group), add_to)
 
     # ---------------------------------------------------------------------------------------
     # merge / disable
@@ -262,26 +315,23 @@ class LoraAdapter(torch.nn.Module):
     # distributed checkpointing
     # ---------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """megatron dist_checkpointing entries: the base's own, plus lora_A / lora_B sharded as
-        they are held (column: B on dim 0; row: A on dim 1), the other replicated over TP, so a
-        checkpoint saved at one TP size loads at any other."""
-        from megatron.core import parallel_state
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        metadata = dict(metadata or {})
-        if metadata.get("dp_cp_group") is None:
-            metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(
-                with_context_parallel=True
-            )
+        """megatron dist_checkpointing entries: the base's own entries exactly as the unwrapped
+        base produces them (same dict keys and ShardedTensor keys, so a checkpoint of the plain
+        model loads into the wrapped one and megatron's parents find `linear_fc1.weight`,
+        `output_layer.weight`), plus `lora_A` / `lora_B` sharded as they are held (column: B on
+        dim 0, with the base's stride; row: A on dim 1), the other replicated over the base's
+        group. Expert offsets passed in by SequentialMLP key them by global expert index."""
+        metadata = with_dp_cp_group(metadata)
         state = self.base_layer.sharded_state_dict(
-            prefix=f"{prefix}base_layer.", sharded_offsets=sharded_offsets, metadata=metadata
+            prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata
         )
-        axis = {"lora_B": 0} if self.geometry.mode == COLUMN else {"lora_A": 1}
-        factors = {"lora_A": self.lora_A, "lora_B": self.lora_B}
+        column = self.geometry.mode == COLUMN
         state.update(
-            make_sharded_tensors_for_checkpoint(
-                factors, prefix, axis, sharded_offsets,
-                tp_group=self.geometry.tp_group, dp_cp_group=metadata["dp_cp_group"],
+            factor_sharded_tensors(
+                {"lora_A": self.lora_A, "lora_B": self.lora_B}, prefix,
+                {"lora_B": 0} if column else {"lora_A": 1}, sharded_offsets, metadata,
+                self.geometry.tp_group, strided={"lora_B"} if column and self.geometry.stride > 1
+                else (),
             )
         )
         return state

@@ -136,6 +136,28 @@ class _GatherWeight(torch.autograd.Function):
         return _own_slice(grad, ctx.group, ctx.dim), None, None
 
 
+class _GradSum(torch.autograd.Function):
+    """forward: identity on a replicated factor; backward: all-reduce its partial gradient."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+def grad_sum(w: torch.Tensor, group) -> torch.Tensor:
+    """A replicated factor used where each rank's gradient is a partial sum over `group` (expert
+    linears under expert-TP: the dispatcher, not the layer, reduces the activations). Returns w;
+    the gradient reaching w is summed over `group` inside autograd, once per forward, so neither
+    parameter hooks nor finalize_model_grads (which knows only the dense TP group) are needed.
+    One all-reduce of a factor-sized ([r, in] or [out, r]) tensor, no token-sized traffic."""
+    return w if _size(group) == 1 else _GradSum.apply(w, group)
+
+
 def grad_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """[T, r] -> [T, r] unchanged; its gradient is all-reduced over `group` in backward."""
     return x if _size(group) == 1 else _GradAllReduce.apply(x, group)
@@ -166,5 +188,6 @@ __all__ = [
     "gather_tokens",
     "gather_weight",
     "grad_all_reduce",
+    "grad_sum",
     "reduce_scatter_tokens",
 ]

@@ -45,6 +45,11 @@ def merge(adapter, safe: bool = False) -> None:
         warnings.warn("LoraAdapter.merge: adapter is already merged; nothing to do", stacklevel=3)
         return
     weight = adapter.base_layer.weight
+    if weight is None:
+        raise RuntimeError(
+            "LoraAdapter.merge: the base layer owns no weight (an output layer whose weight is "
+            "the tied word embedding, handed in at forward); merging would change the embedding"
+        )
     delta = delta_weight(adapter)
     if safe:
         merged = weight.float() + delta

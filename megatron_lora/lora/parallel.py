@@ -42,6 +42,17 @@ class LinearGeometry:
     gather_output: column only: the output is all-gathered to [s, b, out] (replicated).
     input_is_parallel: row only: the input is [s, b, in/t] (sharded on the last dim); when False
         the input is [s, b, in], replicated, and the base slices it itself.
+    dispatcher_reduces: an expert linear with explicit expert communication (megatron's
+        `explicit_expert_comm`: is_expert with expert-TP or EP > 1). Its input [tokens, in] is the
+        same on every rank of the (expert-TP) group, the column input gradient and the row output
+        are left as partial sums over the group, and the token dispatcher reduces them (its
+        backward all-gather / forward reduce-scatter). No SP inside such a layer.
+    is_expert: the base is an expert linear: its parameters belong to the expert-data-parallel
+        gradient buffers (megatron's `allreduce = False`), whatever the EP size.
+    stride: column only: megatron's partition stride of W's dim 0. Rank k holds the chunks
+        k, k + t, k + 2t, ... of size out / (t * stride) (2 for a gated fc1: [gate_k; up_k]).
+    weight_at_forward: the base allocates no weight and is handed one at forward (the output
+        layer of a model with tied embeddings); merge is impossible.
     """
 
     mode: str
@@ -53,6 +64,10 @@ class LinearGeometry:
     sequence_parallel: bool
     gather_output: bool = False
     input_is_parallel: bool = True
+    dispatcher_reduces: bool = False
+    is_expert: bool = False
+    stride: int = 1
+    weight_at_forward: bool = False
 
     @property
     def in_local(self) -> int:
@@ -70,6 +85,10 @@ class LinearGeometry:
             flags.append("gather_output")
         if self.mode == ROW and not self.input_is_parallel:
             flags.append("input_not_parallel")
+        if self.dispatcher_reduces:
+            flags.append("expert_comm")
+        if self.stride != 1:
+            flags.append(f"stride={self.stride}")
         return f"{self.mode}({self.in_features}->{self.out_features}, {', '.join(flags)})"
 
 
@@ -81,25 +100,31 @@ def _group_size_rank(group) -> tuple:
 
 
 def _reject_partial_input_grad(base: torch.nn.Module) -> None:
-    """Layers whose input gradient is left as a partial sum for someone else to reduce.
-
-    megatron expert linears with explicit communication (is_expert with expert-TP or EP > 1) and
-    ColumnParallelLinear(disable_grad_reduce=True) hand back an input gradient that is a partial
-    sum over the group, and (row) an output that is a partial sum; the adapter's path assumes
-    complete input gradients and reduced outputs. Wrapping them silently would double-count the
-    LoRA term, so they are refused.
-    """
-    if getattr(base, "explicit_expert_comm", False):
-        raise UnsupportedBaseLayerError(
-            f"base_layer {type(base).__name__} is an expert linear with explicit expert "
-            "communication (its output and input gradient are partial sums reduced by the token "
-            "dispatcher); LoraAdapter supports dense column/row parallel linears only"
-        )
-    if getattr(base, "disable_grad_reduce", False):
+    """ColumnParallelLinear(disable_grad_reduce=True) hands back an input gradient that is a
+    partial sum for an unknown party to reduce; the adapter cannot know how, so it is refused.
+    (Expert linears with explicit expert communication are supported: their partial sums are
+    reduced by the token dispatcher, which the adapter relies on; see `dispatcher_reduces`.)"""
+    if getattr(base, "disable_grad_reduce", False) and not getattr(
+        base, "explicit_expert_comm", False
+    ):
         raise UnsupportedBaseLayerError(
             f"base_layer {type(base).__name__} has disable_grad_reduce=True (input gradient left "
             "as a partial sum); LoraAdapter needs the base to reduce its input gradient"
         )
+
+
+def _expert_flags(base: torch.nn.Module) -> dict:
+    explicit = bool(getattr(base, "explicit_expert_comm", False))
+    return dict(
+        dispatcher_reduces=explicit,
+        is_expert=explicit or bool(getattr(base, "is_expert", False)),
+    )
+
+
+def _stride(base: torch.nn.Module) -> int:
+    weight = getattr(base, "weight", None)
+    stride = int(getattr(weight, "partition_stride", 1) or 1) if weight is not None else 1
+    return max(stride, 1)
 
 
 def _from_parallel_mode(base: torch.nn.Module, mode_attr: Any) -> LinearGeometry:
@@ -125,6 +150,7 @@ def _from_parallel_mode(base: torch.nn.Module, mode_attr: Any) -> LinearGeometry
             )
     group = getattr(base, "tp_group", None)
     size, rank = _group_size_rank(group)
+    flags = _expert_flags(base)
     return LinearGeometry(
         mode=mode,
         in_features=base.in_features,
@@ -132,9 +158,14 @@ def _from_parallel_mode(base: torch.nn.Module, mode_attr: Any) -> LinearGeometry
         tp_group=group,
         tp_size=size,
         tp_rank=rank,
-        sequence_parallel=bool(getattr(base, "sequence_parallel", False)) and size > 1,
+        sequence_parallel=(
+            bool(getattr(base, "sequence_parallel", False)) and size > 1
+            and not flags["dispatcher_reduces"]
+        ),
         gather_output=False,  # TE column linears never gather their output
         input_is_parallel=True,  # TE row linears always take a sharded input
+        stride=_stride(base) if mode == COLUMN else 1,
+        **flags,
     )
 
 
@@ -150,14 +181,14 @@ def describe_base_layer(base: torch.nn.Module) -> LinearGeometry:
         return _from_parallel_mode(base, base.parallel_mode)
     if isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
         _reject_partial_input_grad(base)
-        if getattr(base, "weight", None) is None:
+        column = isinstance(base, ColumnParallelLinear)
+        if getattr(base, "weight", None) is None and not column:
             raise UnsupportedBaseLayerError(
-                f"base_layer {type(base).__name__} allocates no weight "
-                "(skip_weight_param_allocation=True); merge and checkpointing need one"
+                f"base_layer {type(base).__name__} allocates no weight; LoraAdapter needs one"
             )
         group = base.tp_group
         size, rank = _group_size_rank(group)
-        column = isinstance(base, ColumnParallelLinear)
+        flags = _expert_flags(base)
         return LinearGeometry(
             mode=COLUMN if column else ROW,
             in_features=base.input_size,
@@ -167,9 +198,17 @@ def describe_base_layer(base: torch.nn.Module) -> LinearGeometry:
             tp_rank=rank,
             # megatron's column layer switches SP off at TP=1; its row layer keeps the flag (its
             # reduce-scatter over one rank is the identity): either way nothing is sharded at t=1.
-            sequence_parallel=bool(base.sequence_parallel) and size > 1,
+            # Expert linears run without SP whatever the config says (megatron passes
+            # sequence_parallel=False for explicit expert communication).
+            sequence_parallel=(
+                bool(base.sequence_parallel) and size > 1 and not flags["dispatcher_reduces"]
+            ),
             gather_output=bool(base.gather_output) if column else False,
             input_is_parallel=True if column else bool(base.input_is_parallel),
+            stride=_stride(base) if column else 1,
+            # A column layer without its own weight (tied output layer) gets one at forward.
+            weight_at_forward=column and getattr(base, "weight", None) is None,
+            **flags,
         )
     raise UnsupportedBaseLayerError(
         f"base_layer of type {type(base).__name__} is not supported: expected megatron-core's "

@@ -87,9 +87,10 @@ def test_bad_input_raises_naming_the_argument_before_any_collective(layout):
     class Duplicated(torch.nn.Module):  # TE-style attribute, but a mode we cannot shard exactly
         parallel_mode = "duplicated"
 
-    expert = ColumnParallelLinear(
-        24, 16, config=config, init_method=torch.nn.init.zeros_, bias=False, is_expert=True
-    )  # expert-TP 2: explicit expert communication
+    partial = ColumnParallelLinear(
+        24, 16, config=config, init_method=torch.nn.init.zeros_, bias=False,
+        disable_grad_reduce=True,
+    )  # input gradient left partial for an unknown party (experts are handled: test_moe_*)
     bad = [
         (lambda: LoraAdapter(column, AdapterConfig(rank=0, alpha=8)), ValueError, r"\.rank\b"),
         (lambda: LoraAdapter(row, AdapterConfig(rank=17, alpha=8)), ValueError,
@@ -103,8 +104,8 @@ def test_bad_input_raises_naming_the_argument_before_any_collective(layout):
          UnsupportedBaseLayerError, r"base_layer of type Linear"),
         (lambda: LoraAdapter(Duplicated(), AdapterConfig(rank=4, alpha=8)),
          UnsupportedBaseLayerError, r"base_layer Duplicated has parallel_mode='duplicated'"),
-        (lambda: LoraAdapter(expert, AdapterConfig(rank=4, alpha=8)),
-         UnsupportedBaseLayerError, r"base_layer ColumnParallelLinear is an expert linear"),
+        (lambda: LoraAdapter(partial, AdapterConfig(rank=4, alpha=8)),
+         UnsupportedBaseLayerError, r"base_layer ColumnParallelLinear has disable_grad_reduce"),
         (lambda: LoraAdapter(column, {"rank": 4}), TypeError, r"config must be an AdapterConfig"),
     ]
     with record_collectives() as calls:

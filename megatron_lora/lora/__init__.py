@@ -8,6 +8,13 @@ Public API:
     init_global_factors  the global A, B a seed gives (the same at every layout)
     keep_mask / draw_dropout_key   the layout-independent dropout mask and its key
     lora_down            the down-projection autograd op (dropout + scale, lean backward)
+MoE / vocabulary (docs/lora.md, "MoE, router, embedding and output layer"):
+    wrap_experts         per-expert adapters on a SequentialMLP's fc1/fc2 (global expert names)
+    GroupedExpertLora    all local experts' adapters with one grouped matmul per factor
+    wrap_router          RouterLora on a TopKRouter gate
+    wrap_embedding       EmbeddingLora on a VocabParallelEmbedding
+    wrap_output_layer    LoraAdapter on the column-parallel output layer (own or tied weight)
+    global_factors       an adapter's global (A, B) from the shards (undoes a partition stride)
 See docs/lora.md.
 """
 
@@ -21,11 +28,27 @@ from megatron_lora.lora.parallel import (
     UnsupportedBaseLayerError,
     describe_base_layer,
 )
+from megatron_lora.lora.embedding import EmbeddingLora, wrap_embedding, wrap_output_layer
+from megatron_lora.lora.gather import global_factors
+from megatron_lora.lora.experts import EXPERT_TARGETS, global_expert_index, wrap_experts
+from megatron_lora.lora.grouped import GroupedExpertLora, grouped_linear
 from megatron_lora.lora.projection import lora_down
+from megatron_lora.lora.router import RouterLora, wrap_router
 
 __all__ = [
     "AdapterConfig",
     "COLUMN",
+    "EXPERT_TARGETS",
+    "EmbeddingLora",
+    "GroupedExpertLora",
+    "RouterLora",
+    "global_expert_index",
+    "global_factors",
+    "grouped_linear",
+    "wrap_embedding",
+    "wrap_experts",
+    "wrap_output_layer",
+    "wrap_router",
     "LinearGeometry",
     "LoraAdapter",
     "ROW",

@@ -1,0 +1,213 @@
+"""A LoRA-wrapped megatron MoE layer (router + SequentialMLP experts) at one layout against a
+plain-torch single-process reference built from the same global weights.
+
+`run_moe_case(layout, dispatcher)` (every rank of an initialised world) builds an MoELayer with a
+load-balancing aux loss, puts known global weights into it, wraps the router and every expert's
+fc1/fc2 with non-zero adapters, wraps it in megatron DDP, runs forward+backward on this rank's
+part of a global batch (one sequence per data-parallel replica), calls finalize_model_grads, and
+compares output, aux loss, input gradient and every adapter gradient with the reference (each
+rank checks its own shards; the reference slices its global tensors the same way). Returns
+{name: max abs error} of the quantities over the tolerance.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+from megatron_lora.lora import AdapterConfig
+from megatron_lora.lora.adapter import _shard
+from megatron_lora.lora.experts import wrap_experts
+from megatron_lora.lora.router import wrap_router
+
+H, FFN, E, TOPK, SEQ, BATCH, RANK = 32, 48, 8, 2, 8, 2, 4
+AUX_COEFF = 0.1
+ATOL = 1e-5
+ALPHA = 8.0
+
+
+def seed_for(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def layer_config(layout, dispatcher: str):
+    from megatron_lora.models.gpt import tiny_mixtral_shape, transformer_config
+
+    shape = tiny_mixtral_shape(hidden_size=H, ffn_hidden_size=FFN, num_experts=E,
+                               moe_router_topk=TOPK, num_layers=1)
+    # calculate_per_token_loss=False: the aux-loss gradient then does not depend on how many
+    # tokens a rank holds, so one reference serves every layout.
+    return transformer_config(
+        shape, layout, dispatcher=dispatcher, moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=AUX_COEFF, calculate_per_token_loss=False,
+    )
+
+
+def global_weights(seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "router": torch.randn(E, H, generator=g) * 0.3,
+        "fc1": torch.randn(E, 2 * FFN, H, generator=g) * 0.2,
+        "fc2": torch.randn(E, H, FFN, generator=g) * 0.2,
+    }
+
+
+def global_batch(dp: int, seed: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(dp, SEQ, BATCH, H, generator=g)
+    # O(0.1) output gradients keep every gradient O(1), where fp32 rounding stays << ATOL.
+    grad_out = torch.randn(dp, SEQ, BATCH, H, generator=g) * 0.1
+    return x, grad_out
+
+
+def build_layer(layout, dispatcher: str, weights, adapter_config: AdapterConfig, *,
+                dense_expert_adapters: bool = False):
+    """MoELayer with the given global weights; router + all expert linears wrapped."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_lora.models.specs import local_layer_spec
+
+    config = layer_config(layout, dispatcher)
+    spec = local_layer_spec(E).submodules.mlp
+    layer = MoELayer(config, submodules=spec.submodules, layer_number=1)
+    layer.set_layer_number(1)  # the router logs its aux loss under its layer number
+    experts = layer.experts
+    etp_group = experts.tp_group
+    t, k = etp_group.size(), etp_group.rank()
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["router"])
+        for local, mlp in enumerate(experts.local_experts):
+            e = experts.ep_group.rank() * experts.num_local_experts + local
+            mlp.linear_fc1.weight.copy_(_shard(weights["fc1"][e], 0, t, k, 2))
+            mlp.linear_fc2.weight.copy_(_shard(weights["fc2"][e], 1, t, k))
+    prefix = "decoder.layers.0.mlp.experts"
+    adapters = wrap_experts(experts, adapter_config, prefix=prefix, seed_for=seed_for)
+    router_adapter = wrap_router(layer.router, adapter_config, seed=seed_for("router"))
+    if dense_expert_adapters:  # the bug others shipped: expert adapters in the dense DP buffers
+        for ad in adapters:
+            ad.lora_A.allreduce = ad.lora_B.allreduce = True
+    return config, layer, adapters, router_adapter
+
+
+def reference(weights, adapters_global, router_factors, x, grad_out, scale):
+    """Plain torch, one DP replica: x [s, b, h] -> loss = <y, grad_out> + aux; returns the
+    output, the aux loss and the graph leaves (autograd does the rest)."""
+    ar, br = router_factors
+    tokens = x.reshape(-1, H)
+    logits = tokens @ weights["router"].t() + scale * (tokens @ ar.t()) @ br.t()
+    top, idx = torch.topk(logits, TOPK, dim=1)
+    probs = torch.softmax(top, dim=-1)
+    scores = torch.softmax(logits, dim=-1)
+    routing = torch.zeros_like(logits).scatter(1, idx, 1.0)
+    n = tokens.shape[0]
+    aux = AUX_COEFF * E / (TOPK * n * n) * (scores.sum(0) * routing.sum(0)).sum()
+    y = torch.zeros_like(tokens)
+    for e in range(E):
+        a1, b1, a2, b2 = adapters_global[e]
+        w1 = weights["fc1"][e] + scale * b1 @ a1
+        w2 = weights["fc2"][e] + scale * b2 @ a2
+        rows, slot = (idx == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h1 = tokens[rows] @ w1.t()
+        act = F.silu(h1[:, :FFN]) * h1[:, FFN:]
+        out = (act * probs[rows, slot].unsqueeze(-1)) @ w2.t()
+        y = y.index_add(0, rows, out)
+    y = y.reshape(x.shape)
+    return y, aux, (y * grad_out).sum() + aux
+
+
+def _err(got, want):
+    if got is None or tuple(got.shape) != tuple(want.shape):
+        return float("inf")
+    return (got.detach().float() - want.detach().float()).abs().max().item()
+
+
+def _grad(p):
+    return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False,
+                 with_aux: bool = True) -> Dict[str, float]:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    cfg = AdapterConfig(rank=RANK, alpha=ALPHA, init_lora_weights=False)
+    weights = global_weights()
+    config, layer, adapters, router_ad = build_layer(
+        layout, dispatcher, weights, cfg, dense_expert_adapters=dense_expert_adapters)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), module=layer)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    x_all, g_all = global_batch(dp)
+
+    def local(t):  # this rank's sequence shard of its replica's [s, b, h]
+        return _shard(t, 0, tp, tp_rank) if layout.sp else t
+
+    x = local(x_all[dp_rank]).clone().requires_grad_(True)
+    clear_aux_losses_tracker()
+    layer.train()
+    out, _ = model(x)
+    (out * local(g_all[dp_rank])).sum().backward()
+    finalize_model_grads([model])
+    tracker = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    aux = tracker[0].detach().clone() * AUX_COEFF
+    if tp > 1:
+        dist.all_reduce(aux, group=ps.get_tensor_model_parallel_group())
+
+    # ---- reference over the global batch (every replica), from global factors ----
+    from megatron_lora.lora.adapter import init_global_factors
+
+    expert_ref = {}
+    for e in range(E):
+        leaves = []
+        for target, (i, o) in (("linear_fc1", (H, 2 * FFN)), ("linear_fc2", (FFN, H))):
+            a, b = init_global_factors(cfg, i, o, seed_for(f"decoder.layers.0.mlp.experts.{e}.{target}"))
+            leaves += [a.requires_grad_(True), b.requires_grad_(True)]
+        expert_ref[e] = leaves
+    ar, br = init_global_factors(cfg, H, E, seed_for("router"))
+    ar.requires_grad_(True)
+    br.requires_grad_(True)
+    xr = x_all.clone().requires_grad_(True)
+    total = 0.0
+    outs, auxes = [], []
+    for r in range(dp):
+        y, aux_r, loss = reference(weights, expert_ref, (ar, br), xr[r], g_all[r], cfg.scaling)
+        outs.append(y)
+        auxes.append(aux_r)
+        total = total + loss
+    total.backward()
+
+    errors = {
+        "output": _err(out, local(outs[dp_rank])),
+        "aux_loss": _err(aux, auxes[dp_rank]) if with_aux else 0.0,
+        "grad_input": _err(x.grad, local(xr.grad[dp_rank])),
+        "router.lora_A": _err(_grad(router_ad.lora_A), ar.grad / dp),
+        "router.lora_B": _err(_grad(router_ad.lora_B), br.grad / dp),
+    }
+    t, k = layer.experts.tp_group.size(), layer.experts.tp_group.rank()
+    for ad in adapters:
+        a1, b1, a2, b2 = expert_ref[ad.global_expert]
+        if ad.global_name.endswith("linear_fc1"):
+            want_a, want_b = a1.grad, _shard(b1.grad, 0, t, k, 2)
+            value_ok = torch.equal(ad.lora_A.detach(), a1.detach())
+        else:
+            want_a, want_b = _shard(a2.grad, 1, t, k), b2.grad
+            value_ok = torch.equal(ad.lora_B.detach(), b2.detach())
+        errors[f"{ad.global_name}.lora_A"] = _err(_grad(ad.lora_A), want_a / dp)
+        errors[f"{ad.global_name}.lora_B"] = _err(_grad(ad.lora_B), want_b / dp)
+        if not value_ok:
+            errors[f"{ad.global_name}.init"] = float("inf")
+    return {k_: v for k_, v in errors.items() if not v <= ATOL}

@@ -134,14 +134,17 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(shape: ModelShape, config: TransformerConfig) -> GPTModel:
-    """This pipeline stage's GPTModel, with the local (CPU-capable) spec and RoPE."""
+def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=None) -> GPTModel:
+    """This pipeline stage's GPTModel with RoPE; `block_spec` defaults to the local (CPU-capable)
+    spec of megatron_lora.models.specs."""
     from megatron_lora.models.specs import local_block_spec
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    model = GPTModel(
+    if block_spec is None:
+        block_spec = local_block_spec(config, pp_rank=pp_rank)
+    return GPTModel(
         config=config,
-        transformer_layer_spec=local_block_spec(config, pp_rank=pp_rank),
+        transformer_layer_spec=block_spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -151,7 +154,6 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig) -> GPTModel:
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base),
     )
-    return model
 
 
 def shape_dict(shape: ModelShape) -> dict:

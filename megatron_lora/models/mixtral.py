@@ -229,18 +229,9 @@ def build_mixtral_model(info: MixtralInfo, config, use_te: Optional[bool] = None
     its logits are [b, s, Vp/tp] per TP rank with parallel_output=True.
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
+
+    from megatron_lora.models.gpt import build_gpt_model
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=mixtral_block_spec(config, pp_rank=pp_rank, use_te=use_te),
-        vocab_size=info.shape.vocab_size,
-        max_sequence_length=info.shape.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=info.shape.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(info.shape.rotary_base),
-    )
+    spec = mixtral_block_spec(config, pp_rank=pp_rank, use_te=use_te)
+    return build_gpt_model(info.shape, config, block_spec=spec)

@@ -96,12 +96,14 @@ def train(
     iteration, consumed = 0, 0
     source = load or run.save
     if source and ckpt.read_tracker(source) is not None:
-        common = ckpt.load_checkpoint(source, wrapped, optimizer, scheduler, layout_name)
-        saved_meta = common.get("run_metadata")
+        # Compared before any tensor is read: a checkpoint of another LoRA rank would otherwise
+        # fail deep inside the loader with a shape error.
+        saved_meta = ckpt.read_run_metadata(source).get("run_metadata")
         if json.dumps(saved_meta, sort_keys=True) != json.dumps(run_metadata, sort_keys=True):
             raise ResumeMismatchError(
                 f"checkpoint {source} was written with {saved_meta}, this run has {run_metadata}"
             )
+        common = ckpt.load_checkpoint(source, wrapped, optimizer, scheduler, layout_name)
         iteration, consumed = int(common["iteration"]), int(common["consumed_samples"])
     rank0 = dist.get_rank() == 0
     log = TrainingLog(rank0, run.train_iters, run.tensorboard_dir, start_iteration=iteration)

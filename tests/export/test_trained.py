@@ -54,7 +54,7 @@ def test_logits_cli_with_adapter_at_another_layout(trained, tmp_path):
     ours = load_file(trained["train_logits"])["logits"]
     out = str(tmp_path / "logits.safetensors")
     proc = S.cli("logits", "--load", trained["mcore"], "--adapter", trained["run"],
-                 "--tokens", trained["tokens"], "--out", out, "--tensor-model-parallel-size", "2",
+                 "--tokens", trained["tokens"], "--out", out, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                  nproc=2, port=29563)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _max_diff(load_file(out)["logits"], ours) <= TOL

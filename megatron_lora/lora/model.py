@@ -11,6 +11,7 @@ the same config gives the same global adapters at every parallel layout.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -20,6 +21,9 @@ import torch.distributed as dist
 
 from megatron_lora.lora.adapter import LoraAdapter
 from megatron_lora.lora.config import AdapterConfig
+from megatron_lora.lora.embedding import EmbeddingLora, wrap_embedding, wrap_output_layer
+from megatron_lora.lora.experts import wrap_experts
+from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.identity import adapter_seed, global_layer_prefix
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
 
@@ -168,6 +172,16 @@ def validate_for_model(model, config: LoraConfig) -> None:
             f"{', '.join(available)}"
         )
     problems = []
+    if {"linear_fc1", "linear_fc2"} & set(config.target_modules) and tconf.num_moe_experts:
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        for layer in getattr(getattr(m, "decoder", None), "layers", []):
+            if not isinstance(layer.mlp.experts, SequentialMLP):
+                problems.append(
+                    f"expert LoRA (linear_fc1/linear_fc2) needs SequentialMLP experts; this model "
+                    f"has {type(layer.mlp.experts).__name__} (build it with moe_grouped_gemm=False)"
+                )
+                break
     for kind in config.target_modules:
         limit = _min_dims(tconf, kind, m.vocab_size)
         too_big = sorted(r for r in {config.r, *config.rank_pattern.values()} if r > limit)
@@ -190,20 +204,31 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
     for p in m.parameters():
         p.requires_grad_(False)
     adapters: Dict[str, torch.nn.Module] = {}
-    for kind, name, parent, attr in _sites(m):
+    seed_for = functools.partial(adapter_seed, config.seed)
+    sites = _sites(m)
+    expert_targets: Dict[int, List[str]] = {}
+    for kind, name, parent, attr in sites:
+        if attr == "experts" and kind in config.target_modules:
+            expert_targets.setdefault(id(parent), []).append(kind)
+    for kind, name, parent, attr in sites:
         if kind not in config.target_modules:
             continue
         if attr == "experts":
-            raise NotImplementedError(
-                "LoRA on expert linears (linear_fc1/linear_fc2 of MoE layers) is not available yet"
-            )
-        if kind in ("router", "embedding", "output_layer"):
-            raise NotImplementedError(f"LoRA on {kind} is not available yet")
-        base = getattr(parent, attr)
-        adapter = LoraAdapter(base, config.adapter_config(name),
-                              seed=adapter_seed(config.seed, name))
-        setattr(parent, attr, adapter)
-        adapters[name] = adapter
+            targets = expert_targets.pop(id(parent), None)
+            if targets is None:  # both fc1 and fc2 of this layer were wrapped together
+                continue
+            for adapter in wrap_experts(parent.experts, config.adapter_config, prefix=name,
+                                        seed_for=seed_for, targets=targets):
+                adapters[adapter.global_name] = adapter
+        elif kind == "router":
+            adapters[name] = wrap_router(parent.router, config.adapter_config(name),
+                                         seed=seed_for(name))
+        else:
+            wrap = {"embedding": wrap_embedding, "output_layer": wrap_output_layer}.get(
+                kind, LoraAdapter)
+            adapter = wrap(getattr(parent, attr), config.adapter_config(name), seed=seed_for(name))
+            setattr(parent, attr, adapter)
+            adapters[name] = adapter
     trainable, total = count_parameters(m)
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
@@ -244,8 +269,12 @@ def count_parameters(model) -> Tuple[int, int]:
     return int(counts[0] + counts[2]), int(counts[1] + counts[3])
 
 
+ADAPTER_TYPES = (LoraAdapter, RouterLora, EmbeddingLora)
+
+
 def lora_modules(model) -> List[torch.nn.Module]:
-    return [mod for mod in _unwrap(model).modules() if isinstance(mod, LoraAdapter)]
+    """Every adapter module of this rank's model (linear, expert, router, embedding)."""
+    return [mod for mod in _unwrap(model).modules() if isinstance(mod, ADAPTER_TYPES)]
 
 
 def get_adapter_params(model) -> Dict[str, torch.nn.Parameter]:
@@ -267,8 +296,13 @@ def adapter_state_dict(model) -> Dict[str, torch.Tensor]:
 
 
 def merge_adapters(model, safe: bool = False) -> None:
+    """Merge every adapter into its base weight shard (safe: linear adapters check for non-finite
+    values on every rank first and leave the base untouched on failure)."""
     for adapter in lora_modules(model):
-        adapter.merge(safe=safe)
+        if isinstance(adapter, LoraAdapter):
+            adapter.merge(safe=safe)
+        else:
+            adapter.merge()
 
 
 def unmerge_adapters(model) -> None:

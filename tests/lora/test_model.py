@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_lora.lora import global_factors
 from megatron_lora.lora.model import (
     LoraConfig,
     apply_lora,
@@ -50,24 +51,8 @@ def test_rank_and_alpha_patterns_override_by_global_name():
 
 
 def _global_factors(adapters):
-    """{name: (A, B)} gathered to global shapes over the adapter's TP group."""
-    out = {}
-    for name, ad in adapters.items():
-        g = ad.geometry
-        a, b = ad.lora_A.detach(), ad.lora_B.detach()
-        if g.tp_size > 1:
-            dim_a, dim_b = (None, 0) if g.mode == "column" else (1, None)
-            parts = {}
-            for key, t, dim in (("A", a, dim_a), ("B", b, dim_b)):
-                if dim is None:
-                    parts[key] = t
-                    continue
-                pieces = [torch.empty_like(t) for _ in range(g.tp_size)]
-                dist.all_gather(pieces, t.contiguous(), group=g.tp_group)
-                parts[key] = torch.cat(pieces, dim=dim)
-            a, b = parts["A"], parts["B"]
-        out[name] = (a, b)
-    return out
+    """{name: (A, B)} gathered to global shapes over each adapter's group."""
+    return {name: global_factors(ad) for name, ad in adapters.items()}
 
 
 @multirank(world_size=2)

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from megatron_lora.lora.model import LoraConfig, apply_lora, lora_modules
+from megatron_lora.lora import global_factors
+from megatron_lora.lora.model import LoraConfig, apply_lora
 from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing.reference import save_weights
 from megatron_lora.training.loop import train
@@ -16,7 +17,8 @@ from tests.harness import multirank
 from tests.training import _support as S
 
 STEPS = 20
-LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["linear_qkv", "linear_proj"], seed=11)
+LORA = LoraConfig(r=4, lora_alpha=8, seed=11,
+                  target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 def _lora_model(layout, weights=None):
@@ -26,18 +28,11 @@ def _lora_model(layout, weights=None):
 
 
 def _global(adapters):
-    """{global name.A/B: factor gathered over the adapter's TP group}."""
+    """{global name.A/B: the adapter's global factor} (gathered over its TP / expert-TP group;
+    each rank has the adapters of its own pipeline stage and experts)."""
     out = {}
     for name, ad in adapters.items():
-        g = ad.geometry
-        for key, t, dim in (("A", ad.lora_A, None if g.mode == "column" else 1),
-                            ("B", ad.lora_B, 0 if g.mode == "column" else None)):
-            t = t.detach().contiguous()
-            if dim is not None and g.tp_size > 1:
-                parts = [torch.empty_like(t) for _ in range(g.tp_size)]
-                dist.all_gather(parts, t, group=g.tp_group)
-                t = torch.cat(parts, dim=dim)
-            out[f"{name}.{key}"] = t
+        out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
     return out
 
 

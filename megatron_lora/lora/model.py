@@ -188,8 +188,37 @@ def validate_for_model(model, config: LoraConfig) -> None:
         if too_big:
             problems.append(f"LoRA rank {too_big[-1]} (LoraConfig.r or a rank_pattern value) "
                             f"exceeds min(in_features, out_features) = {limit} of {kind}")
+    problems += _rank_consistency_problems(config, tconf)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _global_names(kind: str, tconf) -> List[str]:
+    layers = range(tconf.num_layers)
+    if kind in ("embedding", "output_layer"):
+        return [kind]
+    if kind == "router":
+        return [f"decoder.layers.{l}.mlp.router" for l in layers]
+    if kind in ("linear_qkv", "linear_proj"):
+        return [f"decoder.layers.{l}.self_attention.{kind}" for l in layers]
+    if tconf.num_moe_experts:
+        return [f"decoder.layers.{l}.mlp.experts.{e}.{kind}" for l in layers
+                for e in range(tconf.num_moe_experts)]
+    return [f"decoder.layers.{l}.mlp.{kind}" for l in layers]
+
+
+def _rank_consistency_problems(config: "LoraConfig", tconf) -> List[str]:
+    """Adapters of one kind are checkpointed as one tensor stacked over layers (and experts), as
+    megatron stores their base weights, so a rank_pattern may vary the rank between kinds but not
+    between layers or experts of one kind."""
+    problems = []
+    for kind in config.target_modules:
+        ranks = {config.adapter_config(n).rank for n in _global_names(kind, tconf)}
+        if len(ranks) > 1:
+            problems.append(f"rank_pattern gives the {kind} adapters different ranks "
+                            f"{sorted(ranks)} across layers or experts; adapters of one kind share "
+                            f"one rank (they are checkpointed stacked over layers and experts)")
+    return problems
 
 
 def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, torch.nn.Module]:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -142,9 +143,12 @@ def optimizer_sharded_state(model_sd: Dict, optimizer, for_loading: bool = False
         names = list(_ADAM_STATES) + (["main_param"] if main_p is not model_p else [])
         for name in names:
             data = main_p.data if name == "main_param" else state[name]
-            out[f"{name}/{local}"] = dataclasses.replace(
-                sharded, key=f"optimizer.{name}.{sharded.key}", data=data, dtype=data.dtype
-            )
+            changes = dict(key=f"optimizer.{name}.{sharded.key}", data=data)
+            if isinstance(sharded, ShardedTensor):
+                changes["dtype"] = data.dtype
+            # A ShardedTensorFactory (e.g. a gated fc1's [gate; up] split) keeps its build and
+            # merge functions, so the state is split and merged exactly like the parameter.
+            out[f"{name}/{local}"] = dataclasses.replace(sharded, **changes)
     return out
 
 

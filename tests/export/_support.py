@@ -12,7 +12,7 @@ from megatron_lora.lora.model import LoraConfig
 
 # Targets megatron_lora's apply_lora supports; a different rank and alpha on linear_proj so that
 # rank_pattern / alpha_pattern are exported.
-TARGETS = ["linear_qkv", "linear_proj"]
+TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router"]
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, rank_pattern={"linear_proj": 2},
                   alpha_pattern={"linear_proj": 6}, seed=3)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

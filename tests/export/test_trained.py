@@ -36,7 +36,8 @@ def test_export_matches_transformers_peft(trained, tmp_path):
     config = export_peft(trained["run"], out, hf_config=trained["hf"])
     assert config["r"] == 4 and config["lora_alpha"] == 8
     assert config["rank_pattern"] == {"o_proj": 2} and config["alpha_pattern"] == {"o_proj": 6}
-    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2", "gate"])
     with safe_open(os.path.join(out, "adapter_model.safetensors"), "pt") as f:
         for key in f.keys():
             if key.endswith("lora_B.weight"):
@@ -84,7 +85,8 @@ def test_import_of_export_is_bit_identical(trained, tmp_path):
 
     export_peft(trained["run"], str(tmp_path / "peft"), hf_config=trained["hf"])
     report = import_peft(str(tmp_path / "peft"), str(tmp_path / "back"), hf_config=trained["hf"])
-    assert report["ranks"] == {"linear_qkv": 4, "linear_proj": 2}
+    assert report["ranks"] == {"linear_qkv": 4, "linear_proj": 2, "linear_fc1": 4, "linear_fc2": 4,
+                               "router": 4}
     assert not report["notes"]  # shared A recognised: nothing stacked, padded or rescaled
     original, back = _model_tensors(resolve(trained["run"])), _model_tensors(str(tmp_path / "back"))
     assert sorted(original) == sorted(back)

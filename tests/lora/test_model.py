@@ -102,6 +102,8 @@ def test_unknown_or_oversized_targets_fail_on_every_rank_before_any_change(layou
         apply_lora(model, LoraConfig(target_modules=["gate", "q_proj"]))
     with pytest.raises(ValueError, match="LoRA rank 512 .* exceeds min\\(in_features, out_features\\) = 64 of linear_proj"):
         apply_lora(model, LoraConfig(r=4, rank_pattern={"proj": 512}))
+    with pytest.raises(ValueError, match="rank_pattern gives the linear_qkv adapters different ranks \\[2, 4\\]"):
+        apply_lora(model, LoraConfig(r=4, rank_pattern={r"layers\.1\.": 2}))
     assert [p.requires_grad for p in model.parameters()] == before
     dist.barrier()  # every rank got here: nobody is stuck in a collective
 

@@ -163,7 +163,6 @@ def _save(run, iteration, consumed, wrapped, optimizer, scheduler, layout_name, 
         "layout": layout_name,
         "run_metadata": run_metadata,
         "run_config": asdict(run),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return ckpt.save_checkpoint(run.save, iteration, wrapped, optimizer, scheduler, common)
 

@@ -88,6 +88,19 @@ def initialize(
     return layout
 
 
+def _reset_moe_globals() -> None:
+    """megatron keeps MoE state in class and module globals that outlive a layout: the aux-loss
+    backward scale adopts the first tensor it is given (its shape included), and the aux-loss
+    tracker keeps per-layer tensors."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    tracker = getattr(parallel_state, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)
+    if isinstance(tracker, dict):
+        tracker.clear()
+
+
 def _live_groups():
     if not dist.is_initialized():
         return []
@@ -108,6 +121,7 @@ def destroy() -> None:
     global _CURRENT, _GROUPS_BEFORE
     parallel_state.destroy_model_parallel()
     destroy_num_microbatches_calculator()
+    _reset_moe_globals()
     # megatron forgets its groups without destroying them; each gloo group keeps its threads and
     # sockets, so processes that initialise many layouts would pile them up.
     if _GROUPS_BEFORE is not None and dist.is_initialized():

@@ -104,3 +104,16 @@ def test_destroy_frees_megatrons_process_groups_and_their_threads():
     flags = torch.ones(1)
     dist.all_reduce(flags)  # the world group still works
     assert flags.item() == 2
+
+
+@multirank(world_size=1)
+def test_destroy_resets_megatrons_moe_globals(layout=ParallelLayout()):
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # A 0-d scale set by one test used to break the next one's [1]-shaped scale (copy_ into []).
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    runtime.destroy()
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale is None
+    runtime.initialize(ParallelLayout())
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.shape == (1,)

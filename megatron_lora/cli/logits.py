@@ -19,6 +19,8 @@ import json
 import os
 import sys
 
+from megatron_lora.cli.common import add_layout_args, layout_from_args
+
 
 def register(sub) -> None:
     p = sub.add_parser("logits", help="logits of a Mixtral checkpoint for given tokens (torchrun)")
@@ -31,13 +33,7 @@ def register(sub) -> None:
                    "iter_* folder) applied on top of the base weights")
     p.add_argument("--tokens", required=True, help="JSON list of equal-length token-id lists")
     p.add_argument("--out", required=True, help="output .safetensors (tensor 'logits', fp32)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
-                   default="allgather")
+    add_layout_args(p)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="run the model in bf16 (default fp32)")
     p.set_defaults(func=_run)
@@ -87,14 +83,11 @@ def _run(args) -> int:
 
     from megatron_lora.convert.errors import ConversionError
     from megatron_lora.models.mixtral import MixtralConfigError
-    from megatron_lora.runtime import LayoutError, ParallelLayout
+    from megatron_lora.runtime import LayoutError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:  # everything below is local to this rank: no collective yet
-        layout = ParallelLayout(
-            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-            ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-            sp=args.sequence_parallel)
+        layout = layout_from_args(args)
         if args.load_hf:
             from megatron_lora.convert.hf_to_mcore import open_hf
 

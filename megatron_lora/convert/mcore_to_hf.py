@@ -51,7 +51,12 @@ def _check_shapes(ckpt: TorchDistCheckpoint, tensors: List[McoreTensor], info) -
 
 def mcore_to_hf(load: str, save: str, *, hf_config: str = None,
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                progress: bool = True) -> None:
+                progress: bool = True, transform=None, label: str = "mcore-to-hf") -> None:
+    """Stream a torch_dist checkpoint into HF safetensors shards + index + config.json.
+
+    transform(key, chunk, box) -> box, if given, edits each box read from the checkpoint before
+    it is split into HF tensors (export/merged.py adds LoRA updates this way).
+    """
     check_output_free(save, overwrite)
     info = read_mcore_info(load, hf_config)
     ckpt = TorchDistCheckpoint(load)
@@ -75,13 +80,15 @@ def mcore_to_hf(load: str, save: str, *, hf_config: str = None,
     total = sum(nbytes(s, d) for ent in entries for _, s, d in ent)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    with atomic_directory(save, overwrite) as tmp, byte_bar(total, "mcore-to-hf", progress) as bar:
+    with atomic_directory(save, overwrite) as tmp, byte_bar(total, label, progress) as bar:
         for file, members in zip(names, shards):
             declared = [e for i in members for e in entries[i]]
             with StreamingSafetensorsWriter(os.path.join(tmp, file), declared) as w:
                 for i in members:
                     t, c = items[i]
                     box = ckpt.read(t.key, c.offsets, c.sizes).reshape(c.source.shape)
+                    if transform is not None:
+                        box = transform(t.key, c, box)
                     for name, tensor in c.source.split(box).items():
                         w.write(name, tensor)
                         weight_map[name] = file

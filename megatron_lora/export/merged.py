@@ -13,21 +13,14 @@ would change the other).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-from typing import Dict, List, Tuple
+from typing import Tuple
 
 import torch
 
-from megatron_lora.convert.atomic import atomic_directory, check_output_free
-from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+from megatron_lora.convert.atomic import check_output_free
 from megatron_lora.convert.errors import ConversionError
-from megatron_lora.convert.hf_to_mcore import HF_FILES, read_mcore_info
-from megatron_lora.convert.mapping import Zeros, mcore_tensors
-from megatron_lora.convert.mcore_to_hf import DEFAULT_SHARD_BYTES, _check_shapes, _order
-from megatron_lora.convert.progress import byte_bar
-from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter, nbytes
+from megatron_lora.convert.hf_to_mcore import read_mcore_info
+from megatron_lora.convert.mcore_to_hf import DEFAULT_SHARD_BYTES, mcore_to_hf
 from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 from megatron_lora.export.table import sites
 
@@ -68,47 +61,9 @@ def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = Non
     """Write the merged model as HF safetensors shards + index + config.json at `save`."""
     check_output_free(save, overwrite)
     info = read_mcore_info(load, hf_config)
-    ckpt = TorchDistCheckpoint(load)
     merger = _Merger(AdapterCheckpoint(adapter, info), info)
     if info.shape.tie_embeddings and {"embedding", "output_layer"} & set(merger.adapter.ranks):
         raise ConversionError(f"{adapter}: an embedding or output-layer adapter cannot be merged "
                               f"into a model with tied embeddings")
-    tensors = mcore_tensors(info)
-    _check_shapes(ckpt, tensors, info)
-    items = sorted(((t, c) for t in tensors for c in t.chunks if not isinstance(c.source, Zeros)),
-                   key=_order)
-    entries = [[(n, s, ckpt.dtype(t.key)) for n, s in c.source.hf_shapes().items()]
-               for t, c in items]
-    shards: List[List[int]] = [[]]
-    size = 0
-    for i, ent in enumerate(entries):
-        b = sum(nbytes(s, d) for _, s, d in ent)
-        if shards[-1] and size + b > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += b
-    total = sum(nbytes(s, d) for ent in entries for _, s, d in ent)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map: Dict[str, str] = {}
-    with atomic_directory(save, overwrite) as tmp, byte_bar(total, "merge", progress) as bar:
-        for file, members in zip(names, shards):
-            declared = [e for i in members for e in entries[i]]
-            with StreamingSafetensorsWriter(os.path.join(tmp, file), declared) as w:
-                for i in members:
-                    t, c = items[i]
-                    box = ckpt.read(t.key, c.offsets, c.sizes).reshape(c.source.shape)
-                    box = merger.apply(t.key, c, box)
-                    for name, tensor in c.source.split(box).items():
-                        w.write(name, tensor)
-                        weight_map[name] = file
-                        bar.update(tensor.nbytes)
-                    del box
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(info.hf_config, f, indent=2)
-        kept = os.path.join(load, HF_FILES)
-        if os.path.isdir(kept):
-            for name in sorted(os.listdir(kept)):
-                shutil.copyfile(os.path.join(kept, name), os.path.join(tmp, name))
+    mcore_to_hf(load, save, hf_config=hf_config, max_shard_bytes=max_shard_bytes,
+                overwrite=overwrite, progress=progress, transform=merger.apply, label="merge")

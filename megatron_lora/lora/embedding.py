@@ -26,7 +26,6 @@ separate pairs whether the base weights are tied or not.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -38,10 +37,11 @@ from megatron_lora.lora.checkpoint import (
     with_dp_cp_group,
 )
 from megatron_lora.lora.config import AdapterConfig
+from megatron_lora.lora.merge import WeightDeltaMerge
 from megatron_lora.lora.parallel import UnsupportedBaseLayerError
 
 
-class EmbeddingLora(torch.nn.Module):
+class EmbeddingLora(WeightDeltaMerge, torch.nn.Module):
     """LoRA around a VocabParallelEmbedding; forward(ids [b, s]) returns what the base returns
     ([b, s, h] replicated, or [s/t, b, h] with reduce_scatter_embeddings) plus the LoRA term.
     `lora_A` [r, V/t] (sharded dim 1), `lora_B` [h, r] (replicated)."""
@@ -109,8 +109,10 @@ class EmbeddingLora(torch.nn.Module):
         """This rank's rows of scale * (B A)^T: fp32 [V/t, h], the base weight's local shape."""
         return (self.lora_B.detach().float() @ self.lora_A.detach().float()).t() * self.scaling
 
-    @torch.no_grad()
-    def merge(self) -> None:
+    def _merge_target(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def _check_mergeable(self) -> None:
         if getattr(self.base_layer.weight, "shared_embedding", False) or getattr(
             self.base_layer.weight, "zero_out_wgrad", False
         ):
@@ -118,27 +120,6 @@ class EmbeddingLora(torch.nn.Module):
                 "EmbeddingLora.merge: the word embedding is tied to the output layer; merging "
                 "would change the output projection too"
             )
-        if self.merged:
-            return
-        w = self.base_layer.weight
-        w.copy_((w.float() + self.delta_weight()).to(w.dtype))
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if not self.merged:
-            return
-        w = self.base_layer.weight
-        w.copy_((w.float() - self.delta_weight()).to(w.dtype))
-        self.merged = False
-
-    @contextlib.contextmanager
-    def disable_adapters(self):
-        previous, self._disabled = self._disabled, True
-        try:
-            yield self
-        finally:
-            self._disabled = previous
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The base's entries unchanged, lora_A sharded on dim 1 (vocab), lora_B replicated."""

@@ -14,6 +14,7 @@ A second merge (or an unmerge of an unmerged adapter) is a no-op with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -83,3 +84,41 @@ def unmerge(adapter) -> None:
 
 
 __all__ = ["delta_weight", "merge", "unmerge"]
+
+
+class WeightDeltaMerge:
+    """merge / unmerge / disable_adapters for an adapter whose whole update is one local fp32
+    `delta_weight()` added to one weight (`_merge_target()`): router and embedding LoRA.
+    `_check_mergeable()` may refuse a merge before anything changes."""
+
+    def _merge_target(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_mergeable(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        self._check_mergeable()
+        if self.merged:
+            return
+        w = self._merge_target()
+        w.copy_((w.float() + self.delta_weight()).to(w.dtype))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        w = self._merge_target()
+        w.copy_((w.float() - self.delta_weight()).to(w.dtype))
+        self.merged = False
+
+    @contextlib.contextmanager
+    def disable_adapters(self):
+        """Within the context forward returns the base output alone."""
+        previous, self._disabled = self._disabled, True
+        try:
+            yield self
+        finally:
+            self._disabled = previous

@@ -20,7 +20,6 @@ x A^T is computed in the activation dtype; the up-projection runs in the router 
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -29,11 +28,12 @@ from megatron_lora.lora.adapter import _up, init_global_factors
 from megatron_lora.lora.checkpoint import factor_sharded_tensors, with_dp_cp_group
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import draw_dropout_key
+from megatron_lora.lora.merge import WeightDeltaMerge
 from megatron_lora.lora.parallel import UnsupportedBaseLayerError
 from megatron_lora.lora.projection import lora_down
 
 
-class RouterLora(torch.nn.Module):
+class RouterLora(WeightDeltaMerge, torch.nn.Module):
     """The router's LoRA pair; see the module docstring for layout and reductions.
 
     lora_A [r, h], lora_B [E, r] (global = local). forward(input_, logits) -> adapted logits
@@ -87,29 +87,8 @@ class RouterLora(torch.nn.Module):
         """scale * B @ A, fp32 [E, h] (the router weight's shape; global = local)."""
         return torch.matmul(self.lora_B.detach().float(), self.lora_A.detach().float()) * self.scaling
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        if self.merged:
-            return
-        w = self.router.weight
-        w.copy_((w.float() + self.delta_weight()).to(w.dtype))
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if not self.merged:
-            return
-        w = self.router.weight
-        w.copy_((w.float() - self.delta_weight()).to(w.dtype))
-        self.merged = False
-
-    @contextlib.contextmanager
-    def disable_adapters(self):
-        previous, self._disabled = self._disabled, True
-        try:
-            yield self
-        finally:
-            self._disabled = previous
+    def _merge_target(self) -> torch.Tensor:
+        return self.router.weight
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """lora_A / lora_B replicated (over the dense TP group, like the router weight)."""

@@ -122,3 +122,25 @@ def test_merge_and_unmerge_the_whole_model(layout=ParallelLayout(tp=2, sp=True))
         again = model(tokens, pos, attention_mask=None)
     torch.testing.assert_close(merged, with_lora, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(again, with_lora, rtol=1e-5, atol=1e-5)
+
+
+@multirank(world_size=2)
+def test_merge_and_unmerge_router_embedding_and_output_adapters(layout=ParallelLayout(tp=2, sp=True)):
+    shape = tiny_mixtral_shape()
+    model = build_gpt_model(shape, transformer_config(shape, layout))
+    apply_lora(model, LoraConfig(r=4, init_lora_weights=False,
+                                 target_modules=["router", "embedding", "output_layer"]),
+               verbose=False)
+    tokens = torch.randint(0, shape.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(16).unsqueeze(0)
+    with torch.no_grad():
+        with_lora = model(tokens, pos, attention_mask=None)
+        base_weight = model.embedding.word_embeddings.base_layer.weight.clone()
+        merge_adapters(model)
+        merged = model(tokens, pos, attention_mask=None)
+        unmerge_adapters(model)
+        again = model(tokens, pos, attention_mask=None)
+        unchanged = model.embedding.word_embeddings.base_layer.weight
+    torch.testing.assert_close(merged, with_lora, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, with_lora, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unchanged, base_weight, rtol=0, atol=1e-6)

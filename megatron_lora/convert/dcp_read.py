@@ -1,9 +1,10 @@
 """Read boxes of global tensors from a megatron-core torch_dist checkpoint, one chunk at a time.
 
 Works on any torch_dist checkpoint (ours, or one megatron saved at some layout): a box is
-assembled from whichever stored chunks overlap it. The `.metadata` file is a pickle; it is read
-with an unpickler that only accepts the checkpoint-metadata classes (no arbitrary code), and each
-chunk with `torch.load(weights_only=True)` straight from its byte range of the data file (no
+assembled from whichever stored chunks overlap it. Every file is read through
+`runtime.safe_load`: the `.metadata` pickle with its allow-list of exact checkpoint-metadata classes
+(the data files it names must lie inside the folder), `common.pt` and each chunk with
+`torch.load(weights_only=True)`, a chunk straight from its byte range of the data file (no
 intermediate copy of the bytes). One loaded chunk is cached, so the q/k/v rows of one layer's
 fused QKV chunk cost one read.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -21,39 +21,12 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.regions import assemble
-
-_DCP_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
-_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-_TORCH_NAMES = {"Size", "strided", "contiguous_format", "channels_last", "preserve_format"}
-_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool",
-             "slice", "getattr"}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if module in _DCP_MODULES or (module, name) == _STORAGE_INFO:
-            return super().find_class(module, name)
-        if module == "torch" and (name in _TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if module in ("builtins", "__builtin__") and name in _BUILTINS:
-            if name == "getattr":
-                return _torch_getattr
-            return super().find_class("builtins", name)
-        if module == "torch.serialization" and name == "_get_layout":  # layout by name
-            return super().find_class(module, name)
-        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath"):
-            return super().find_class(module, name)  # StorageMeta.checkpoint_id
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module == "enum" and name == "Enum":
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-def _torch_getattr(obj, name):
-    if obj is torch or isinstance(obj, type) and obj.__module__.startswith("torch"):
-        return getattr(obj, name)
-    raise pickle.UnpicklingError(f"refusing getattr({obj!r}, {name!r}) in checkpoint metadata")
+from megatron_lora.runtime.safe_load import (
+    CheckpointFileError,
+    load_common_state,
+    load_dcp_metadata,
+    safe_torch_load,
+)
 
 
 class _FileRange(io.RawIOBase):
@@ -99,12 +72,12 @@ class TorchDistCheckpoint:
         if backend != "torch_dist":
             raise ConversionError(f"{directory}/metadata.json: sharded_backend={backend!r}, "
                                   f"only 'torch_dist' is supported")
-        path = os.path.join(directory, ".metadata")
         try:
-            with open(path, "rb") as f:
-                md = _MetadataUnpickler(f).load()
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
-            raise ConversionError(f"{path}: cannot read checkpoint metadata: {exc}") from None
+            md = load_dcp_metadata(directory)  # restricted unpickler, data files confined
+            common = os.path.join(directory, "common.pt")  # megatron-core >= 0.17 may not write it
+            self.common = load_common_state(directory) if os.path.lexists(common) else None
+        except CheckpointFileError as exc:
+            raise ConversionError(str(exc)) from None
         self.tensors: Dict[str, dcp_metadata.TensorStorageMetadata] = {
             k: v for k, v in md.state_dict_metadata.items()
             if isinstance(v, dcp_metadata.TensorStorageMetadata)}
@@ -131,12 +104,15 @@ class TorchDistCheckpoint:
         if info is None or getattr(info, "transform_descriptors", None):
             raise ConversionError(f"{self.directory}: chunk {key} at {list(offsets)} is missing "
                                   f"or stored with an unsupported transform")
-        path = os.path.join(self.directory, info.relative_path)
+        path = os.path.join(self.directory, info.relative_path)  # confined when md was read
         try:
             with open(path, "rb") as f:
-                tensor = torch.load(_FileRange(f, info.offset, info.length), weights_only=True)
-        except Exception as exc:
+                tensor = safe_torch_load(_FileRange(f, info.offset, info.length), path)
+        except (OSError, CheckpointFileError) as exc:
             raise ConversionError(f"{path}: cannot read chunk {key} at {list(offsets)}: {exc}") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise ConversionError(f"{path}: chunk {key} at {list(offsets)} is a "
+                                  f"{type(tensor).__name__}, not a tensor")
         self._cached = ((key, offsets), tensor)
         return tensor
 

@@ -1,8 +1,9 @@
 """Read a Hugging Face safetensors checkpoint (one file, or shards + model.safetensors.index.json).
 
 `HFCheckpoint(directory)` checks everything that can be checked without reading tensor data:
-config.json, the index, that every shard the index names exists and has a readable safetensors
-header, and that every tensor the index names is in its shard. Tensor data is read on demand with
+config.json, the index (a dict of tensor name -> shard file name, each shard inside the folder: no
+`..`, absolute path or symlink out of it), that every shard the index names exists and has a
+readable safetensors header, and that every tensor the index names is in its shard. Tensor data is read on demand with
 `read(name, index)`, through safetensors' `get_slice`, so a caller reads only the rows and columns
 it needs. Each read opens the file and closes it again: the memory map never outlives one tensor,
 so resident memory does not grow with the shard size.
@@ -19,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.runtime.safe_load import CheckpointFileError, confined_path
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -62,9 +64,18 @@ class HFCheckpoint:
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
                 raise ConversionError(f"{index}: not a valid safetensors index ({exc!r})") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise ConversionError(
+                    f"{index}: 'weight_map' must be an object mapping tensor names to shard file "
+                    f"names (strings), got {type(weight_map).__name__}: {str(weight_map)[:200]}")
             for name, file in sorted(weight_map.items(), key=lambda kv: kv[1]):
+                try:  # a shard must be a file inside the folder: no '..', absolute path, symlink out
+                    confined_path(self.directory, file, index, f"weight_map entry {name!r}")
+                except CheckpointFileError as exc:
+                    raise ConversionError(str(exc)) from None
                 if not os.path.isfile(self._path(file)):
                     raise ConversionError(
                         f"{index}: shard {file!r} (holding tensor {name!r}) is missing from "
@@ -72,6 +83,10 @@ class HFCheckpoint:
                     )
             return dict(weight_map)
         if os.path.isfile(self._path(SINGLE_NAME)):
+            try:
+                confined_path(self.directory, SINGLE_NAME, self._path(SINGLE_NAME), "the file")
+            except CheckpointFileError as exc:
+                raise ConversionError(str(exc)) from None
             return {name: SINGLE_NAME for name in self._read_header(SINGLE_NAME)}
         raise ConversionError(
             f"{self.directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found"

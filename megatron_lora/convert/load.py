@@ -1,7 +1,8 @@
 """Load Mixtral weights into this rank's megatron-core model, at whatever layout it was built.
 
 `load_mcore(model, directory)`: megatron's own `dist_checkpointing.load` of a torch_dist checkpoint
-(collective over the world: every rank reads the boxes its shards cover).
+(collective over the world: every rank reads the boxes its shards cover), every file read as plain
+data through `runtime.safe_load.dist_load`.
 
 `load_hf(model, hf)`: straight from HF safetensors, no conversion step and no communication. Each
 rank walks its model's sharded state dict (the same one `dist_checkpointing` uses, so the same
@@ -12,7 +13,7 @@ reading with safetensors slices only the rows/columns of the HF tensors that sha
 from __future__ import annotations
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
@@ -26,6 +27,7 @@ from megatron_lora.convert.hf_files import HFCheckpoint
 from megatron_lora.convert.mapping import mcore_tensors
 from megatron_lora.convert.regions import assemble
 from megatron_lora.models.mixtral import MixtralInfo
+from megatron_lora.runtime.safe_load import CheckpointFileError, dist_load
 
 
 def _sharded_state_dict(model: torch.nn.Module):
@@ -42,8 +44,13 @@ def _apply(model: torch.nn.Module, state: dict, source: str) -> None:
 
 
 def load_mcore(model: torch.nn.Module, directory: str) -> None:
-    """Load a torch_dist checkpoint saved at any layout (collective: call on every rank)."""
-    state = dist_checkpointing.load(_sharded_state_dict(model), directory)
+    """Load a torch_dist checkpoint saved at any layout (collective: call on every rank).
+
+    A file that is not plain data raises ConversionError on every rank before any collective."""
+    try:
+        state = dist_load(_sharded_state_dict(model), directory)
+    except CheckpointFileError as exc:
+        raise ConversionError(str(exc)) from None
     _apply(model, state, directory)
 
 

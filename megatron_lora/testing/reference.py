@@ -2,7 +2,7 @@
 
 The checkpoint is a megatron-core distributed checkpoint (torch_dist format), so the same global
 tensors load at any TP/PP/EP/ETP layout: every later parity test compares layouts that start from
-bit-identical global weights.
+bit-identical global weights. Loading reads every file as plain data (`runtime.safe_load`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import os
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
+
+from megatron_lora.runtime.safe_load import dist_load
 
 
 def _sharded_state_dict(model: torch.nn.Module):
@@ -26,7 +28,7 @@ def save_weights(model: torch.nn.Module, directory: str) -> None:
 
 def load_weights(model: torch.nn.Module, directory: str) -> None:
     """Load global weights saved by save_weights (at any layout) into `model` (collective)."""
-    state = dist_checkpointing.load(_sharded_state_dict(model), directory)
+    state = dist_load(_sharded_state_dict(model), directory)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -142,21 +142,57 @@ def model_kinds(config) -> Tuple[str, ...]:
     return tuple(k for k in KINDS if k in kinds)
 
 
-def _min_dims(config, kind: str, vocab_size: int) -> int:
-    """min(in_features, out_features) of a target kind's global weight, from the config alone."""
+def _features(config, kind: str, vocab_size: int) -> Tuple[Tuple[int, str], Tuple[int, str]]:
+    """((in_features, what), (out_features, what)) of a target kind's global weight, from the
+    config alone; `what` names the model sizes each comes from (for messages)."""
     h = config.hidden_size
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
     ffn = config.moe_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
-    sizes = {
-        "linear_qkv": (h, (heads + 2 * groups) * d),
-        "linear_proj": (heads * d, h),
-        "linear_fc1": (h, ffn * (2 if config.gated_linear_unit else 1)),
-        "linear_fc2": (ffn, h),
-        "router": (h, config.num_moe_experts or 0),
-        "embedding": (vocab_size, h),
-        "output_layer": (h, vocab_size),
-    }
-    return min(sizes[kind])
+    fc1 = ffn * (2 if config.gated_linear_unit else 1)
+    hid, inter = (h, "hidden size"), (ffn, "ffn hidden size")
+    return {
+        "linear_qkv": (hid, ((heads + 2 * groups) * d, "(heads + 2 kv heads) x head dim")),
+        "linear_proj": ((heads * d, "heads x head dim"), hid),
+        "linear_fc1": (hid, (fc1, "2 x ffn hidden size" if config.gated_linear_unit
+                             else "ffn hidden size")),
+        "linear_fc2": (inter, hid),
+        "router": (hid, (config.num_moe_experts or 0, "number of experts")),
+        "embedding": ((vocab_size, "vocabulary"), hid),
+        "output_layer": (hid, (vocab_size, "vocabulary")),
+    }[kind]
+
+
+def config_problems(config: LoraConfig, sizes, vocab_size: int, *, rank_name: str = "LoraConfig.r",
+                    pattern_name: str = "rank_pattern",
+                    targets_name: str = "target_modules") -> List[str]:
+    """Every problem of `config` for a model of these sizes, without the model (pure, so every
+    rank finds the same ones before building anything or communicating).
+
+    sizes: a TransformerConfig, or any object with its size fields (num_layers, hidden_size,
+        num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size,
+        moe_ffn_hidden_size, num_moe_experts, gated_linear_unit).
+    rank_name / pattern_name / targets_name: how the messages call r, rank_pattern and
+        target_modules (a CLI passes its flags, e.g. "--lora-rank").
+    """
+    available = model_kinds(sizes)
+    missing = [k for k in config.target_modules if k not in available]
+    if missing:
+        return [f"LoRA targets {missing} ({targets_name}) do not exist in this model; its targets "
+                f"are {', '.join(available)}"]
+    problems = []
+    for kind in config.target_modules:
+        (n_in, what_in), (n_out, what_out) = _features(sizes, kind, vocab_size)
+        limit = min(n_in, n_out)
+        ranks = {config.adapter_config(n).rank for n in _global_names(kind, sizes)}
+        too_big = sorted(r for r in ranks if r > limit)
+        if too_big:
+            source = rank_name if too_big[-1] == config.r else f"{rank_name} or {pattern_name}"
+            problems.append(
+                f"LoRA rank {too_big[-1]} ({source}) exceeds min(in_features, out_features) = "
+                f"{limit} of {kind} (in_features {n_in} = {what_in}, out_features {n_out} = "
+                f"{what_out}); use a rank <= {limit} (for {kind} alone: {pattern_name} "
+                f"{kind}=R) or drop {kind} from {targets_name}")
+    return problems + _rank_consistency_problems(config, sizes, pattern_name)
 
 
 def validate_for_model(model, config: LoraConfig) -> None:
@@ -182,13 +218,7 @@ def validate_for_model(model, config: LoraConfig) -> None:
                     f"has {type(layer.mlp.experts).__name__} (build it with moe_grouped_gemm=False)"
                 )
                 break
-    for kind in config.target_modules:
-        limit = _min_dims(tconf, kind, m.vocab_size)
-        too_big = sorted(r for r in {config.r, *config.rank_pattern.values()} if r > limit)
-        if too_big:
-            problems.append(f"LoRA rank {too_big[-1]} (LoraConfig.r or a rank_pattern value) "
-                            f"exceeds min(in_features, out_features) = {limit} of {kind}")
-    problems += _rank_consistency_problems(config, tconf)
+    problems += config_problems(config, tconf, m.vocab_size)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -207,7 +237,8 @@ def _global_names(kind: str, tconf) -> List[str]:
     return [f"decoder.layers.{l}.mlp.{kind}" for l in layers]
 
 
-def _rank_consistency_problems(config: "LoraConfig", tconf) -> List[str]:
+def _rank_consistency_problems(config: "LoraConfig", tconf,
+                               pattern_name: str = "rank_pattern") -> List[str]:
     """Adapters of one kind are checkpointed as one tensor stacked over layers (and experts), as
     megatron stores their base weights, so a rank_pattern may vary the rank between kinds but not
     between layers or experts of one kind."""
@@ -215,7 +246,7 @@ def _rank_consistency_problems(config: "LoraConfig", tconf) -> List[str]:
     for kind in config.target_modules:
         ranks = {config.adapter_config(n).rank for n in _global_names(kind, tconf)}
         if len(ranks) > 1:
-            problems.append(f"rank_pattern gives the {kind} adapters different ranks "
+            problems.append(f"{pattern_name} gives the {kind} adapters different ranks "
                             f"{sorted(ranks)} across layers or experts; adapters of one kind share "
                             f"one rank (they are checkpointed stacked over layers and experts)")
     return problems

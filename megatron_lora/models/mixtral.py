@@ -14,13 +14,15 @@ specs have the same sharded-state-dict keys, so one checkpoint serves both.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
+from megatron_lora.jsonfile import json_value, read_json, short
 from megatron_lora.models.gpt import ModelShape, transformer_config
 from megatron_lora.runtime.layout import LayoutError, ParallelLayout
 
@@ -36,6 +38,67 @@ class MixtralConfigError(ValueError):
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     """Smallest multiple of `multiple` that is >= vocab_size (layout independent)."""
     return -(-vocab_size // multiple) * multiple
+
+
+_MISSING = object()
+_TYPE_NAMES = {bool: "true or false", int: "an integer", str: "a string", list: "a list",
+               dict: "an object"}
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+class _Fields:
+    """Typed access to config.json fields; errors read `{source}: field 'name' must be ..., got
+    <the value as JSON>`."""
+
+    def __init__(self, cfg: dict, source: str, prefix: str = ""):
+        self.cfg, self.source, self.prefix = cfg, source, prefix
+
+    def bad(self, name: str, must: str, value) -> MixtralConfigError:
+        got = "nothing (the field is missing)" if value is _MISSING else json_value(value)
+        return MixtralConfigError(
+            f"{self.source}: field '{self.prefix}{name}' {must}, got {got}")
+
+    def get(self, name: str, kind: type, default=_MISSING, nullable: bool = False):
+        """cfg[name], which must be JSON of type `kind` (bool is not int; null only if
+        `nullable`); `default` when the field is absent (required when no default)."""
+        value = self.cfg.get(name, _MISSING)
+        if value is _MISSING and default is not _MISSING:
+            return default
+        if value is None and nullable:
+            return None
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        if not ok:
+            raise self.bad(name, f"must be {_TYPE_NAMES[kind]}{' or null' if nullable else ''}",
+                           value)
+        return value
+
+    def integer(self, name: str, default=_MISSING, nullable: bool = False):
+        """A positive JSON integer (1e9 or 4.0 are floats, refused)."""
+        value = self.cfg.get(name, _MISSING)
+        if value is _MISSING and default is not _MISSING:
+            return default
+        if value is None and nullable:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise self.bad(name, "must be a positive integer" + (" or null" if nullable else ""),
+                           value)
+        return value
+
+    def number(self, name: str, default=_MISSING):
+        """A positive, finite JSON number."""
+        value = self.cfg.get(name, _MISSING)
+        if value is _MISSING and default is not _MISSING:
+            return default
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not _finite(value) or value <= 0):
+            raise self.bad(name, "must be a positive number", value)
+        return value
 
 
 @dataclass(frozen=True)
@@ -59,73 +122,78 @@ class MixtralInfo:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "MixtralInfo":
-        """Validate a Hugging Face Mixtral config dict; raise MixtralConfigError naming the field."""
+        """Validate a Hugging Face Mixtral config dict; raise MixtralConfigError naming the field.
 
-        def bad(msg: str) -> MixtralConfigError:
-            return MixtralConfigError(f"{source}: {msg}")
-
-        archs = cfg.get("architectures") or []
-        if not (set(archs) & set(MIXTRAL_ARCHITECTURES)) and cfg.get("model_type") != "mixtral":
-            raise bad(
-                f"architectures={archs} (model_type={cfg.get('model_type')!r}) is not a Mixtral "
+        Every field is checked for its JSON type as transformers' MixtralConfig declares it
+        (a bool must be true/false, not "false"; integers are not floats or bools; numbers are
+        finite), and null is accepted only where MixtralConfig accepts None."""
+        f = _Fields(cfg, source)
+        archs = f.get("architectures", list, default=[], nullable=True) or []
+        if not all(isinstance(a, str) for a in archs):
+            raise f.bad("architectures", "must be a list of strings", archs)
+        model_type = f.get("model_type", str, default=None, nullable=True)
+        if not (set(archs) & set(MIXTRAL_ARCHITECTURES)) and model_type != "mixtral":
+            raise MixtralConfigError(
+                f"{source}: architectures={archs} (model_type={model_type!r}) is not a Mixtral "
                 f"model; supported: {list(MIXTRAL_ARCHITECTURES)}"
             )
-
-        def integer(name: str, default=None) -> int:
-            value = cfg.get(name, default)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(f"field {name}={value!r} must be a positive integer")
-            return value
-
-        heads = integer("num_attention_heads")
-        hidden = integer("hidden_size")
-        vocab = integer("vocab_size")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise bad(f"field hidden_act={cfg['hidden_act']!r}: only 'silu' is supported")
-        head_dim = cfg.get("head_dim")
+        heads = f.integer("num_attention_heads")
+        hidden = f.integer("hidden_size")
+        vocab = f.integer("vocab_size")
+        act = f.get("hidden_act", str, default="silu")
+        if act != "silu":
+            raise MixtralConfigError(f"{source}: field hidden_act={act!r}: only 'silu' is supported")
+        head_dim = f.integer("head_dim", default=None, nullable=True)
         if head_dim is not None and head_dim * heads != hidden:
-            raise bad(
-                f"field head_dim={head_dim} differs from hidden_size/num_attention_heads="
+            raise MixtralConfigError(
+                f"{source}: field head_dim={head_dim} differs from hidden_size/num_attention_heads="
                 f"{hidden}/{heads}; megatron_lora supports head_dim = hidden_size/num_attention_heads"
             )
         for name in ("attention_bias", "mlp_bias"):
-            if cfg.get(name):
-                raise bad(f"field {name}=true: biases are not supported")
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or {}
+            if f.get(name, bool, default=False):
+                raise MixtralConfigError(f"{source}: field {name}=true: biases are not supported")
+        rope = f.get("rope_parameters", dict, default=None, nullable=True) or {}
+        scaling = f.get("rope_scaling", dict, default=None, nullable=True) or {}
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
         if rope_type != "default":
-            raise bad(f"field rope_type={rope_type!r}: only unscaled ('default') RoPE is supported")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 1e6))
-        if not isinstance(theta, (int, float)) or theta <= 0 or float(theta) != int(theta):
-            raise bad(f"field rope_theta={theta!r} must be a positive whole number")
-        max_pos = integer("max_position_embeddings", 131072)
-        window = cfg.get("sliding_window")
+            raise MixtralConfigError(f"{source}: field rope_type={short(rope_type)}: only unscaled "
+                                     f"('default') RoPE is supported")
+        if "rope_theta" in rope:
+            theta = _Fields(rope, source, "rope_parameters.").number("rope_theta")
+        else:
+            theta = f.number("rope_theta", default=1e6)
+        if float(theta) != int(theta):
+            raise f.bad("rope_theta", "must be a positive whole number", theta)
+        max_pos = f.integer("max_position_embeddings", default=131072)
+        window = f.integer("sliding_window", default=None, nullable=True)
         if window is not None and window < max_pos:
-            raise bad(
-                f"field sliding_window={window} is smaller than max_position_embeddings={max_pos}; "
-                f"sliding-window attention is not supported"
+            raise MixtralConfigError(
+                f"{source}: field sliding_window={window} is smaller than max_position_embeddings="
+                f"{max_pos}; sliding-window attention is not supported"
             )
-        dtype_name = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
+        dtype_name = f.get("dtype", str, default=None, nullable=True)
+        if dtype_name is None:
+            dtype_name = f.get("torch_dtype", str, default=None, nullable=True) or "float32"
         if dtype_name not in _DTYPES:
-            raise bad(f"field dtype={dtype_name!r}: expected one of {sorted(_DTYPES)}")
+            raise MixtralConfigError(
+                f"{source}: field dtype={dtype_name!r}: expected one of {sorted(_DTYPES)}")
+        kv_heads = f.integer("num_key_value_heads", default=heads, nullable=True)
+        sizes = dict(  # read before ModelShape: a field error is not a derived-size error
+            ffn_hidden_size=f.integer("intermediate_size"),
+            num_layers=f.integer("num_hidden_layers"),
+            num_experts=f.integer("num_local_experts"),
+            moe_router_topk=f.integer("num_experts_per_tok"),
+            norm_epsilon=float(f.number("rms_norm_eps", default=1e-5)),
+            tie_embeddings=f.get("tie_word_embeddings", bool, default=False),
+        )
         try:
             shape = ModelShape(
-                vocab_size=padded_vocab_size(vocab),
-                hidden_size=hidden,
-                ffn_hidden_size=integer("intermediate_size"),
-                num_layers=integer("num_hidden_layers"),
-                num_attention_heads=heads,
-                num_query_groups=integer("num_key_value_heads", heads),
-                num_experts=integer("num_local_experts"),
-                moe_router_topk=integer("num_experts_per_tok"),
-                max_position_embeddings=max_pos,
-                rotary_base=float(theta),
-                norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
+                vocab_size=padded_vocab_size(vocab), hidden_size=hidden,
+                num_attention_heads=heads, num_query_groups=heads if kv_heads is None else kv_heads,
+                max_position_embeddings=max_pos, rotary_base=float(theta), **sizes)
         except ValueError as exc:
-            raise bad(str(exc).replace("ModelShape.", "derived ")) from exc
+            raise MixtralConfigError(
+                f"{source}: {str(exc).replace('ModelShape.', 'derived ')}") from exc
         return cls(shape=shape, vocab_size=vocab, dtype=_DTYPES[dtype_name], hf_config=dict(cfg))
 
     def config_fields(self) -> str:
@@ -134,6 +202,21 @@ class MixtralInfo:
         names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "num_local_experts")
         return ", ".join(f"{n}={c.get(n)}" for n in names)
+
+    def lora_problems(self, lora, **names) -> list:
+        """Every problem of LoraConfig `lora` for this model, from the sizes alone (pure: every
+        rank finds the same ones before the model is built). names: rank_name / targets_name
+        for the messages (a CLI passes its flags)."""
+        from megatron_lora.lora.model import config_problems
+
+        s = self.shape
+        sizes = SimpleNamespace(  # the TransformerConfig fields mixtral_config sets
+            num_layers=s.num_layers, hidden_size=s.hidden_size,
+            num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups,
+            kv_channels=self.head_dim, ffn_hidden_size=s.ffn_hidden_size,
+            moe_ffn_hidden_size=s.ffn_hidden_size, num_moe_experts=s.num_experts,
+            gated_linear_unit=True)
+        return config_problems(lora, sizes, s.vocab_size, **names)
 
     def layout_problems(self, layout: ParallelLayout, world_size: int) -> list:
         """Every reason `layout` cannot run this model on `world_size` ranks (pure, no comms)."""
@@ -156,15 +239,9 @@ def read_hf_config(path: str) -> MixtralInfo:
     """MixtralInfo from a config.json file (or a directory holding one)."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise MixtralConfigError(f"{path}: file not found") from None
-    except json.JSONDecodeError as exc:
-        raise MixtralConfigError(f"{path}: not valid JSON ({exc})") from None
+    cfg = read_json(path, MixtralConfigError)
     if not isinstance(cfg, dict):
-        raise MixtralConfigError(f"{path}: expected a JSON object")
+        raise MixtralConfigError(f"{path}: expected a JSON object, got {json_value(cfg)}")
     return MixtralInfo.from_hf_config(cfg, source=path)
 
 

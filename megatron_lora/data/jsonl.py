@@ -11,9 +11,10 @@ Chat turns use the Mistral/Mixtral instruction format: `<s>[INST] user [/INST] a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import List, Tuple
+
+from megatron_lora.jsonfile import decode_utf8, loads, os_reason, short
 
 
 class DataError(ValueError):
@@ -53,7 +54,7 @@ def _messages(tok, messages, where: str) -> Sample:
                 or not isinstance(m.get("content"), str):
             raise DataError(
                 f"{where}: messages[{i}] must be {{'role': 'system'|'user'|'assistant', "
-                f"'content': str}}, got {m!r}"[:300]
+                f"'content': str}}, got {short(m)}"
             )
         if m["role"] == "system":
             system = m["content"] + "\n\n"
@@ -91,15 +92,17 @@ def read_jsonl(path: str, tokenizer, max_tokens: int) -> Tuple[List[Sample], int
     blank lines are skipped.
     """
     samples, truncated = [], 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {os_reason(exc)}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            line = decode_utf8(raw, where, DataError)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            record = loads(line, where, DataError)
             sample = parse_record(tokenizer, record, where)
             if len(sample.tokens) > max_tokens:
                 sample = Sample(sample.tokens[:max_tokens], sample.loss_mask[:max_tokens])

@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+from megatron_lora.jsonfile import reason
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used; the message names the file."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, then <s>=256, </s>=257, <pad>=258. For tiny runs and tests."""
@@ -33,12 +39,16 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.name = path
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as exc:  # the tokenizers library raises plain Exception
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({reason(exc)})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(("<s>", "<|begin_of_text|>", "<bos>"))
         self.eos_id = self._special(("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"))
         if self.eos_id is None:
-            raise ValueError(f"tokenizer {path} has no end-of-sequence token (</s> or similar)")
+            raise TokenizerError(f"{path}: the tokenizer has no end-of-sequence token (</s> or "
+                                 f"similar)")
         pad = self._special(("<pad>", "<unk>"))
         self.pad_id = pad if pad is not None else self.eos_id
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.jsonfile import json_value, read_json, short
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -76,6 +77,13 @@ def alpha_for(target_scale: float, r: int, use_rslora: bool) -> float:
     return best
 
 
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
 def _require(cfg: dict, path: str, name: str):
     if name not in cfg:
         raise ConversionError(f"{path}: required field {name!r} is missing")
@@ -85,18 +93,12 @@ def _require(cfg: dict, path: str, name: str):
 def read_adapter_config(directory: str) -> PeftLora:
     """Read and validate `directory/adapter_config.json` (a LoRA for a Mixtral model)."""
     path = os.path.join(directory, CONFIG_NAME)
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: file not found (not a PEFT adapter folder)") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+    cfg = read_json(path, ConversionError, what="not a PEFT adapter folder")
     if not isinstance(cfg, dict):
-        raise ConversionError(f"{path}: expected a JSON object")
+        raise ConversionError(f"{path}: expected a JSON object, got {json_value(cfg)}")
     peft_type = _require(cfg, path, "peft_type")
     if peft_type != "LORA":
-        raise ConversionError(f"{path}: peft_type={peft_type!r}; only 'LORA' adapters convert")
+        raise ConversionError(f"{path}: peft_type={short(peft_type)}; only 'LORA' adapters convert")
     unsupported = [
         ("use_dora", lambda v: bool(v), "DoRA (use_dora=true) is not supported"),
         ("lora_bias", lambda v: bool(v), "LoRA biases (lora_bias=true) are not supported"),
@@ -108,7 +110,7 @@ def read_adapter_config(directory: str) -> PeftLora:
     ]
     for name, bad, why in unsupported:
         if name in cfg and bad(cfg[name]):
-            raise ConversionError(f"{path}: field {name}={cfg[name]!r}: {why}")
+            raise ConversionError(f"{path}: field {name}={short(cfg[name])}: {why}")
     auto = cfg.get("auto_mapping") or {}
     base_class = auto.get("base_model_class") if isinstance(auto, dict) else None
     if base_class is not None and base_class != "MixtralForCausalLM":
@@ -116,23 +118,38 @@ def read_adapter_config(directory: str) -> PeftLora:
     r = _require(cfg, path, "r")
     alpha = _require(cfg, path, "lora_alpha")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ConversionError(f"{path}: field r={r!r} must be a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ConversionError(f"{path}: field lora_alpha={alpha!r} must be a positive number")
+        raise ConversionError(f"{path}: field r must be a positive integer, got {json_value(r)}")
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0
+            or not _finite(alpha)):
+        raise ConversionError(f"{path}: field lora_alpha must be a positive number, got {json_value(alpha)}")
     if "target_modules" not in cfg and "target_parameters" not in cfg:
         raise ConversionError(f"{path}: required field 'target_modules' is missing")
     modules = cfg.get("target_modules") or []
     if isinstance(modules, str):
-        raise ConversionError(f"{path}: target_modules={modules!r} is a regular expression; "
+        raise ConversionError(f"{path}: target_modules={short(modules)} is a regular expression; "
                               f"list the module names (q_proj, ..., w1, w2, w3, gate)")
     params = cfg.get("target_parameters") or []
+    for name, value in (("target_modules", modules), ("target_parameters", params)):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConversionError(f"{path}: field {name} must be a list of module names, got "
+                                  f"{json_value(value)}")
     patterns = {}
-    for name in ("rank_pattern", "alpha_pattern"):
+    for name, kind in (("rank_pattern", "a positive integer"), ("alpha_pattern", "a number")):
         value = cfg.get(name) or {}
         if not isinstance(value, dict):
-            raise ConversionError(f"{path}: field {name} must be an object, got {value!r}")
+            raise ConversionError(f"{path}: field {name} must be an object, got {json_value(value)}")
+        for key, v in value.items():
+            ok = isinstance(v, int) and v >= 1 if name == "rank_pattern" else (
+                isinstance(v, (int, float)) and _finite(v) and v > 0)
+            if isinstance(v, bool) or not ok:
+                raise ConversionError(f"{path}: field {name}[{json.dumps(key[:60])}] must be "
+                                      f"{kind}, got {json_value(v)}")
         patterns[name] = dict(value)
-    return PeftLora(r=r, lora_alpha=float(alpha), use_rslora=bool(cfg.get("use_rslora", False)),
+    use_rslora = cfg.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise ConversionError(f"{path}: field use_rslora must be true or false, got "
+                              f"{json_value(use_rslora)}")
+    return PeftLora(r=r, lora_alpha=float(alpha), use_rslora=use_rslora,
                     target_modules=tuple(modules), target_parameters=tuple(params),
                     rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"],
                     path=path)

@@ -20,7 +20,7 @@ import dataclasses
 import os
 import random
 import shutil
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -36,17 +36,41 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+class CheckpointError(ValueError):
+    """A run folder whose checkpoint cannot be used as it is (a user error: the CLI exits 2)."""
+
+
+def _complete_iterations(root: str) -> List[int]:
+    """Iterations of the complete (renamed into place) checkpoint folders in `root`."""
+    found = []
+    for name in os.listdir(root):
+        digits = name[len("iter_"):]
+        if name.startswith("iter_") and digits.isdigit() and os.path.isdir(os.path.join(root, name)):
+            found.append(int(digits))
+    return sorted(found)
+
+
 def read_tracker(root: str) -> Optional[int]:
+    """The iteration the tracker names (None when `root` has no tracker); CheckpointError when
+    the tracker is not a number or names a folder that does not exist. The same on every rank
+    (a shared file system), so it is safe before any collective."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     text = open(path).read().strip()
     if not text.isdigit():
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}; write the "
+                              f"number of a complete iter_XXXXXXX folder into it, or delete it "
+                              f"to start training from scratch")
     iteration = int(text)
     if not os.path.isdir(iteration_dir(root, iteration)):
-        raise FileNotFoundError(f"{path} names iteration {iteration} but "
-                                f"{iteration_dir(root, iteration)} does not exist")
+        present = _complete_iterations(root)
+        hint = (f"the complete checkpoints here are iterations {present}: write one of them "
+                f"into {path}" if present else "there is no complete iter_XXXXXXX folder here")
+        raise CheckpointError(
+            f"{path} names iteration {iteration} but {iteration_dir(root, iteration)} does not "
+            f"exist (moved or deleted?). Restore that folder, or {hint}, or delete {path} (and "
+            f"only then) to start training from scratch")
     return iteration
 
 
@@ -164,16 +188,55 @@ def _set_optimizer_state(model_sd: Dict, optimizer, loaded: Dict, iteration: int
             main_p.data.copy_(loaded[f"main_param/{key}"])
 
 
+# Test seam: when set, called on every rank with the name of each step of a save as soon as that
+# step is done ("shards_written": every rank's files are in iter_XXXXXXX.tmp; "renamed": the
+# folder is in place, the tracker not yet replaced; "tracker_replaced"). A test makes it raise (or
+# exit the process) to crash a save exactly between two steps. Never set in normal use.
+_after_save_step: Optional[Callable[[str], None]] = None
+
+
+def _save_step_done(step: str) -> None:
+    if _after_save_step is not None:
+        _after_save_step(step)
+
+
+def _remove_abandoned(root: str) -> None:
+    """Remove `iter_*.tmp` folders left by crashed saves (rank 0, before a save starts: only one
+    save of a run is ever in flight, so any such folder is abandoned)."""
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
                     common: Dict) -> str:
-    """Save trainable params, optimizer, scheduler, RNG and `common` (plain data) atomically."""
+    """Save trainable params, optimizer, scheduler, RNG and `common` (plain data) atomically.
+
+    Steps, each complete before the next starts: (1) every rank writes into iter_XXXXXXX.tmp;
+    (2) rank 0 renames it to iter_XXXXXXX; (3) rank 0 replaces the tracker. A crash anywhere
+    leaves the tracker naming a complete checkpoint (the previous one before step 3).
+    """
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
+    problem = None
     if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
-        os.makedirs(tmp)
-    dist.barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            _remove_abandoned(root)
+            if read_tracker(root) == iteration:
+                # Rewriting the folder the tracker names would leave, for a moment, a tracker
+                # that names nothing: a crash then would lose the run's only checkpoint.
+                raise CheckpointError(
+                    f"{final} is the checkpoint {os.path.join(root, TRACKER)} names; it is not "
+                    f"overwritten in place: save to another folder")
+            os.makedirs(tmp)
+        except (OSError, CheckpointError) as exc:
+            problem = str(exc)
+    # Rank 0's verdict on every rank, so that all raise together instead of some waiting.
+    verdict = [problem]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
     model_sd = trainable_sharded_state_dict(model_chunks)
     state = dict(model_sd)
     state["optimizer"] = optimizer_sharded_state(model_sd["model0"], optimizer)
@@ -183,10 +246,15 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank():05d}.pt"))
     dist.barrier()
+    _save_step_done("shards_written")
     if dist.get_rank() == 0:
+        # A folder of this iteration that the tracker does not name is a stale one (a crash
+        # after its rename and before its tracker): replaced, never loaded.
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _save_step_done("renamed")
         _write_tracker(root, iteration)
+        _save_step_done("tracker_replaced")
     dist.barrier()
     return final
 

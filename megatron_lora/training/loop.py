@@ -111,7 +111,10 @@ def train(
         log.message(f"resumed from {source} at iteration {iteration} "
                     f"({consumed} samples consumed)")
     losses: Dict[int, float] = {}
+    # A run resumed from its own --save folder already has its checkpoint of `iteration`.
     last_saved = None
+    if iteration and source == run.save:
+        last_saved = ckpt.iteration_dir(run.save, iteration)
     while iteration < run.train_iters:
         batch = dataset.batch(consumed, run.global_batch_size)
         for chunk in wrapped:

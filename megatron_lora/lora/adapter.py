@@ -150,6 +150,9 @@ class LoraAdapter(torch.nn.Module):
         self.scaling = config.scaling
         self.merged = False
         self._disabled = False
+        # Expert adapters (token_route.py): input -> (key, int64 [rows] global token indices)
+        # for dropout, since expert rows are the dispatcher's permuted tokens. None: dense.
+        self.dropout_rows = None
 
         weight = base_layer.weight
         if weight is None:  # output layer with tied embeddings: the weight comes at forward
@@ -226,16 +229,20 @@ class LoraAdapter(torch.nn.Module):
         g = self.geometry
         group = g.tp_group
         p = self.config.dropout if self.training else 0.0
-        key = draw_dropout_key(input_.device) if p > 0.0 else None
+        key = rows = None
+        if p > 0.0 and self.dropout_rows is not None:
+            key, rows = self.dropout_rows(input_)  # expert: the layer's key, global row indices
+        elif p > 0.0:
+            key = draw_dropout_key(input_.device)
         tokens_local = input_.numel() // input_.shape[-1]
         if g.dispatcher_reduces:
-            return self._expert_lora(input_, p, key, add_to)
+            return self._expert_lora(input_, p, key, add_to, rows)
         if g.mode == COLUMN:
             gather_output = g.gather_output if gather_output is None else gather_output
             # Input: this rank's sequence shard under SP (tokens start at rank * local tokens,
             # sequence being the outermost dim), else all tokens; all features.
             offset = g.tp_rank * tokens_local if g.sequence_parallel else 0
-            u = lora_down(input_, self.lora_A, self.scaling, p, key, offset, 0)
+            u = lora_down(input_, self.lora_A, self.scaling, p, key, offset, 0, rows)
             if g.sequence_parallel:
                 # [s/t, b, r] -> [s, b, r]. With a gathered output the output gradient is
                 # complete on every rank, so backward keeps the own slice instead of summing.
@@ -249,7 +256,7 @@ class LoraAdapter(torch.nn.Module):
         if g.input_is_parallel:
             # Input [s, b, in/t]: the product with this rank's A columns is a partial sum.
             offset = g.tp_rank * g.in_local
-            u = lora_down(input_, self.lora_A, self.scaling, p, key, 0, offset)
+            u = lora_down(input_, self.lora_A, self.scaling, p, key, 0, offset, rows)
             if g.sequence_parallel:
                 u = C.reduce_scatter_tokens(u, group)  # -> [s/t, b, r], this rank's tokens
             else:
@@ -257,10 +264,10 @@ class LoraAdapter(torch.nn.Module):
         else:
             # Input replicated [s, b, in]: gather A (a weight) rather than any activation.
             a = C.gather_weight(self.lora_A, group, 1)
-            u = lora_down(input_, a, self.scaling, p, key, 0, 0)
+            u = lora_down(input_, a, self.scaling, p, key, 0, 0, rows)
         return _up(u, self.lora_B, add_to)
 
-    def _expert_lora(self, input_, p, key, add_to):
+    def _expert_lora(self, input_, p, key, add_to, rows):
         # Input [tokens, in] (column: the same tokens on every expert-TP rank; row: this rank's
         # [tokens, in/t] slice). No activation collective: the dispatcher sums what the base
         # leaves partial, and the LoRA term is partial in exactly the same way.
@@ -269,11 +276,11 @@ class LoraAdapter(torch.nn.Module):
             # dL/du = dL/dy_k B_k^T is partial over the group (B sharded on out): A's gradient is
             # summed over the group; the input gradient stays partial, like the base's.
             a = C.grad_sum(self.lora_A, g.tp_group)
-            u = lora_down(input_, a, self.scaling, p, key, 0, 0)
+            u = lora_down(input_, a, self.scaling, p, key, 0, 0, rows)
             return _up(u, self.lora_B, add_to)
         # u_k = x_k A_k^T is this rank's partial sum; u_k B^T summed by the dispatcher is exact,
         # but B's gradient dy^T u_k is partial: summed over the group.
-        u = lora_down(input_, self.lora_A, self.scaling, p, key, 0, g.tp_rank * g.in_local)
+        u = lora_down(input_, self.lora_A, self.scaling, p, key, 0, g.tp_rank * g.in_local, rows)
         return _up(u, C.grad_sum(self.lora_B, g.tp_group), add_to)
 
     # ---------------------------------------------------------------------------------------

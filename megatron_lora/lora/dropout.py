@@ -14,6 +14,13 @@ p * 2^32. Consequences:
   recomputation restores that stream, so a recomputed forward draws the same key. Drawing it as
   a device tensor (no .item()) avoids a host-device sync.
 
+Expert adapters see the dispatcher's permuted tokens, so their rows are not a contiguous range:
+`keep_mask_at` takes each row's global token index explicitly (the token's position in its
+data-parallel replica's [s, b] batch, flattened sequence-major, carried to the experts by
+token_route.py), and every expert linear uses its own key stream `sub_key(key, 2 e + j)` of one
+key drawn per MoE layer forward (e the global expert, j = 0 for fc1, 1 for fc2). So expert
+dropout is the same at every EP / expert-TP / TP / dispatcher too.
+
 The hash is the well-known 32-bit finaliser pattern (xor-shift / multiply), computed in int64 so
 that no product overflows (multipliers are below 2^31, values below 2^32).
 """
@@ -43,6 +50,14 @@ def draw_dropout_key(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=device)
 
 
+def sub_key(key: torch.Tensor, stream: int) -> torch.Tensor:
+    """int64 [2]: the key of stream `stream` (>= 0) derived from `key` (int64 [2]):
+    _mix32((key + _mix32([2 stream + 1, 2 stream + 2])) mod 2^32). Distinct streams give
+    unrelated masks; no random draw, so deriving keys never moves the generator."""
+    salt = torch.tensor([2 * stream + 1, 2 * stream + 2], dtype=torch.int64, device=key.device)
+    return _mix32((key + _mix32(salt & _MASK32)) & _MASK32)
+
+
 def keep_mask(
     key: torch.Tensor,
     p: float,
@@ -56,8 +71,18 @@ def keep_mask(
 
     Independent of how the global tensor is split: a shard's mask is the slice of the global mask.
     """
+    tokens = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64,
+                          device=key.device)
+    return keep_mask_at(key, p, tokens, feature_offset, n_features)
+
+
+def keep_mask_at(
+    key: torch.Tensor, p: float, tokens: torch.Tensor, feature_offset: int, n_features: int
+) -> torch.Tensor:
+    """bool [len(tokens), n_features]: row i is the global mask's row `tokens[i]` (any order,
+    int64 global token indices >= 0), columns feature_offset .. feature_offset + n_features."""
     device = key.device
-    tokens = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device=device)
+    tokens = tokens.to(device=device, dtype=torch.int64).reshape(-1)
     features = torch.arange(
         feature_offset, feature_offset + n_features, dtype=torch.int64, device=device
     )

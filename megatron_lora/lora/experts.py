@@ -23,13 +23,16 @@ identical on every expert-TP rank), the fc1 output [tokens_e, g*f/t], the fc2 ou
 sum [tokens_e, h] that the dispatcher reduces. The LoRA path adds no activation collective; the
 replicated factor's partial gradient is summed over expert-TP inside autograd (adapter.py).
 Gradients are reduced over the expert-data-parallel group (`allreduce = False`) by megatron DDP.
+Dropout: given the MoELayer (`moe_layer=`), each row's global token index is carried through the
+layer's dispatcher (token_route.py), so the masks are the same at every layout and dispatcher.
 Checkpoints: SequentialMLP.sharded_state_dict hands each expert a global-expert axis offset, so
 `...experts.linear_fc1.lora_A` is one ShardedTensor [E, r, h] keyed by global expert index.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Union
+import weakref
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -96,16 +99,21 @@ def wrap_experts(
     seed_for: Callable[[str], int],
     targets: Sequence[str] = EXPERT_TARGETS,
     freeze_base: bool = True,
+    moe_layer: Optional[torch.nn.Module] = None,
 ) -> List[LoraAdapter]:
     """Wrap every local expert's target linears of a SequentialMLP in place.
 
     experts_module: megatron-core SequentialMLP (`local_experts` of MLPs, `ep_group`,
-        `num_local_experts`). For GroupedMLP use grouped.wrap_grouped_experts.
+        `num_local_experts`). GroupedMLP is not wrapped in place; grouped.GroupedExpertLora
+        computes the same adapters for a grouped path that calls it.
     config: one AdapterConfig for all, or config(name) -> AdapterConfig per adapter (ranks may
         differ per expert, e.g. from a rank pattern).
     prefix: the GLOBAL name of the experts module, e.g. "decoder.layers.3.mlp.experts"; adapter
         names are f"{prefix}.{global_expert}.{target}".
     seed_for: name -> seed; called once per adapter with that global name.
+    moe_layer: the megatron MoELayer owning experts_module; required when any adapter has
+        dropout > 0: its dispatcher then carries each row's global token index to the experts
+        (token_route.py), which makes the dropout masks layout-independent.
     Returns the new adapters in (local expert, target) order; each has `.global_name` and
     `.global_expert`. Everything is validated (types, targets, expert count, every rank against
     its linear) before the first module is replaced; no collective is issued.
@@ -115,8 +123,12 @@ def wrap_experts(
     if not isinstance(experts_module, SequentialMLP):
         raise UnsupportedBaseLayerError(
             f"wrap_experts needs a megatron-core SequentialMLP, got "
-            f"{type(experts_module).__name__} (GroupedMLP: use wrap_grouped_experts)"
+            f"{type(experts_module).__name__} (GroupedMLP: see grouped.GroupedExpertLora)"
         )
+    if moe_layer is not None and getattr(moe_layer, "experts", None) is not experts_module:
+        raise ValueError("moe_layer must be the MoELayer whose `experts` is experts_module")
+    if moe_layer is not None and getattr(moe_layer, "token_dispatcher", None) is None:
+        raise ValueError("moe_layer has no token_dispatcher; expert dropout needs one")
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix must be the experts module's global name, got {prefix!r}")
     if not callable(seed_for):
@@ -146,6 +158,12 @@ def wrap_experts(
                     f"{limits[target]}"
                 )
             configs[name] = cfg
+    any_dropout = any(cfg.dropout > 0.0 for cfg in configs.values())
+    if any_dropout and moe_layer is None:
+        raise ValueError(
+            f"{prefix}: expert LoRA dropout > 0 needs moe_layer= (the MoELayer owning these "
+            "experts), whose dispatcher carries each token's global index to the experts"
+        )
     plan = []
     for local, mlp in enumerate(experts_module.local_experts):
         expert = ep_rank * num_local + local
@@ -162,6 +180,20 @@ def wrap_experts(
         adapter.global_expert = expert
         setattr(mlp, target, adapter)
         adapters.append(adapter)
+    if moe_layer is not None:
+        from megatron_lora.lora.token_route import attach_token_route
+
+        per_local = [[] for _ in range(num_local)]
+        for adapter, (_, target, _, _, expert, _) in zip(adapters, plan):
+            per_local[expert - ep_rank * num_local].append(
+                (adapter, EXPERT_TARGETS.index(target)))
+        experts_ref = weakref.ref(experts_module)
+
+        def needs_route() -> bool:  # identical on every rank: all global configs, train mode
+            experts = experts_ref()
+            return any_dropout and experts is not None and experts.training
+
+        attach_token_route(moe_layer, experts_module, per_local, needs_route)
     return adapters
 
 

@@ -1,7 +1,8 @@
 """Grouped LoRA: all local experts' adapters of one linear kind with one grouped matmul per factor.
 
-    lora = GroupedExpertLora(kind="linear_fc1", ...)       # or from_experts / wrap_grouped_experts
-    delta = lora(x, tokens_per_expert)                     # [N, out_local]
+    lora = GroupedExpertLora("linear_fc1", config, hidden, 2 * ffn, seeds, group=etp_group,
+                             stride=2, expert_offset=ep_rank * num_local_experts)
+    delta = lora(x, tokens_per_expert, token_ids)          # [N, out_local]
 
 x [N, in_local] holds the dispatcher's permuted tokens, expert by expert (tokens_per_expert[e]
 rows for local expert e, zeros allowed). Per factor one grouped matmul over the token splits:
@@ -19,6 +20,12 @@ as the per-expert path (experts.py) for the same seeds:
 Reductions are the per-expert ones: the replicated factor's gradient is summed over the
 expert-TP group inside autograd (collectives.grad_sum), fc2's output is a partial sum for the
 dispatcher, parameters carry `allreduce = False` (expert-data-parallel buffers).
+
+Dropout (training, p > 0) masks row n of local expert e with keep_mask_at(sub_key(key, 2 g + j),
+p, token_ids[n], features) (g = expert_offset + e the global expert, j = 0 fc1 / 1 fc2; fc2's
+features start at tp_rank * f/t): the per-expert path's masks, so both are layout-independent.
+`token_ids` (int64 [N], each row's global token index, see token_route.py) is then required; the
+key is `dropout_key` (the MoE layer's, shared by fc1 and fc2) or one drawn per call.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 from megatron_lora.lora import collectives as C
 from megatron_lora.lora.adapter import _shard, init_global_factors
 from megatron_lora.lora.config import AdapterConfig
-from megatron_lora.lora.dropout import draw_dropout_key, keep_mask
+from megatron_lora.lora.dropout import draw_dropout_key, keep_mask_at, sub_key
 
 
 def _offsets(counts: Sequence[int], device) -> torch.Tensor:
@@ -71,11 +78,12 @@ def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, counts: List[int], num: int) ->
 
 class _GroupedLinear(torch.autograd.Function):
     """forward: y_e = s * drop(x_e) @ w_e^T for w [E, M, K]; backward: grads of x and w, the
-    dropout mask regenerated from its key (nothing but x and w kept)."""
+    dropout mask regenerated from its keys (nothing but x, w and the row indices kept)."""
 
     @staticmethod
-    def forward(ctx, x, w, counts, scale, p, key, feature_offset):
-        ctx.counts, ctx.scale, ctx.p, ctx.key, ctx.off = counts, scale, p, key, feature_offset
+    def forward(ctx, x, w, counts, scale, p, keys, feature_offset, token_ids):
+        ctx.counts, ctx.scale, ctx.p, ctx.keys, ctx.off = counts, scale, p, keys, feature_offset
+        ctx.token_ids = token_ids
         wt = w.to(x.dtype).transpose(1, 2)
         xd = _dropped(x, ctx) if p > 0.0 else x
         y = _gmm(xd, wt, counts)
@@ -98,18 +106,33 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             xd = _dropped(x, ctx) if ctx.p > 0.0 else x
             grad_w = _gmm_wgrad(g, xd, ctx.counts, w.shape[0]).to(w.dtype)  # [E, M, K]
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def _dropped(t, ctx):
-    mask = keep_mask(ctx.key, ctx.p, 0, t.shape[0], ctx.off, t.shape[1])
+    """t [N, K] times the keep mask of its rows (group e under keys[e]) / (1 - p)."""
+    parts, start = [], 0
+    for e, n in enumerate(ctx.counts):
+        if n:
+            parts.append(keep_mask_at(ctx.keys[e], ctx.p, ctx.token_ids[start:start + n],
+                                      ctx.off, t.shape[1]))
+        start += n
+    mask = torch.cat(parts) if parts else torch.ones(t.shape, dtype=torch.bool, device=t.device)
     return t * mask.to(t.dtype) * (1.0 / (1.0 - ctx.p))
 
 
-def grouped_linear(x, w, counts, scale=1.0, p=0.0, key=None, feature_offset=0):
-    """[N, K] tokens split by counts (one group per expert) times w [E, M, K] -> [N, M]."""
-    return _GroupedLinear.apply(x, w, [int(c) for c in counts], float(scale), float(p), key,
-                                int(feature_offset))
+def grouped_linear(x, w, counts, scale=1.0, p=0.0, keys=None, feature_offset=0,
+                   token_ids=None):
+    """[N, K] tokens split by counts (one group per expert) times w [E, M, K] -> [N, M].
+    With p > 0: keys int64 [E, 2] (one per group), token_ids int64 [N] (global token index of
+    each row), feature_offset (global index of column 0); the mask is dropout.keep_mask_at's."""
+    counts = [int(c) for c in counts]
+    if p > 0.0 and (keys is None or token_ids is None or token_ids.numel() != x.shape[0]):
+        raise ValueError(
+            f"grouped_linear: dropout p={p} needs keys and token_ids for the {x.shape[0]} rows"
+        )
+    return _GroupedLinear.apply(x, w, counts, float(scale), float(p), keys,
+                                int(feature_offset), token_ids if p > 0.0 else None)
 
 
 class GroupedExpertLora(torch.nn.Module):
@@ -119,11 +142,13 @@ class GroupedExpertLora(torch.nn.Module):
     in_features / out_features: the GLOBAL sizes of one expert's linear (fc1: h -> g*f).
     group: the expert-TP group (None: one rank); stride: fc1's partition stride (g).
     seeds: one per local expert, from the expert's global name (same as the per-expert path).
-    forward(x [N, in_local], tokens_per_expert) -> [N, out_local] (fc2: partial over expert-TP).
+    expert_offset: global index of local expert 0 (ep_rank * E): selects the dropout key streams.
+    forward(x [N, in_local], tokens_per_expert, token_ids=None, dropout_key=None) -> [N, out_local]
+        (fc2: partial over expert-TP); token_ids int64 [N] required for dropout in training.
     """
 
     def __init__(self, kind, config: AdapterConfig, in_features, out_features, seeds, *,
-                 group=None, stride=1, dtype=torch.float32, device=None):
+                 group=None, stride=1, dtype=torch.float32, device=None, expert_offset=0):
         super().__init__()
         if kind not in ("linear_fc1", "linear_fc2"):
             raise ValueError(f"kind must be 'linear_fc1' or 'linear_fc2', got {kind!r}")
@@ -132,6 +157,7 @@ class GroupedExpertLora(torch.nn.Module):
         t = 1 if group is None else group.size()
         k = 0 if group is None else group.rank()
         self.tp_size, self.tp_rank, self.in_features = t, k, in_features
+        self.expert_offset = int(expert_offset)
         a_list, b_list = [], []
         for seed in seeds:
             a, b = init_global_factors(config, in_features, out_features, int(seed))
@@ -156,7 +182,8 @@ class GroupedExpertLora(torch.nn.Module):
     def num_experts(self) -> int:
         return self.lora_A.shape[0]
 
-    def forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert, token_ids=None,
+                dropout_key=None) -> torch.Tensor:
         counts = [int(c) for c in (tokens_per_expert.tolist()
                                    if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
         if len(counts) != self.num_experts or sum(counts) != x.shape[0]:
@@ -165,7 +192,17 @@ class GroupedExpertLora(torch.nn.Module):
                 f"{x.shape[0]} tokens"
             )
         p = self.config.dropout if self.training else 0.0
-        key = draw_dropout_key(x.device) if p > 0.0 else None
+        keys = None
+        if p > 0.0:
+            if token_ids is None or token_ids.numel() != x.shape[0]:
+                raise ValueError(
+                    f"GroupedExpertLora: dropout {p} in training needs token_ids, the global "
+                    f"token index of each of the {x.shape[0]} rows (token_route.py)"
+                )
+            key = draw_dropout_key(x.device) if dropout_key is None else dropout_key
+            j = 0 if self.kind == "linear_fc1" else 1
+            keys = torch.stack([sub_key(key, 2 * (self.expert_offset + e) + j)
+                                for e in range(self.num_experts)])
         a, b = self.lora_A, self.lora_B
         if self.kind == "linear_fc1":
             a = C.grad_sum(a, self.group)
@@ -173,7 +210,7 @@ class GroupedExpertLora(torch.nn.Module):
         else:
             b = C.grad_sum(b, self.group)
             off = self.tp_rank * (self.in_features // self.tp_size)
-        u = grouped_linear(x, a, counts, self.scaling, p, key, off)  # [N, r]
+        u = grouped_linear(x, a, counts, self.scaling, p, keys, off, token_ids)  # [N, r]
         return grouped_linear(u, b, counts)  # [N, out_local]
 
     def delta_weight(self, local_expert: int) -> torch.Tensor:

@@ -278,7 +278,7 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
             if targets is None:  # both fc1 and fc2 of this layer were wrapped together
                 continue
             for adapter in wrap_experts(parent.experts, config.adapter_config, prefix=name,
-                                        seed_for=seed_for, targets=targets):
+                                        seed_for=seed_for, targets=targets, moe_layer=parent):
                 adapters[adapter.global_name] = adapter
         elif kind == "router":
             adapters[name] = wrap_router(parent.router, config.adapter_config(name),

@@ -18,13 +18,16 @@ from typing import Optional
 
 import torch
 
-from megatron_lora.lora.dropout import keep_mask
+from megatron_lora.lora.dropout import keep_mask, keep_mask_at
 
 
 def _dropped(x2: torch.Tensor, ctx) -> torch.Tensor:
-    mask = keep_mask(
-        ctx.key, ctx.p, ctx.token_offset, x2.shape[0], ctx.feature_offset, x2.shape[1]
-    )
+    if ctx.token_index is not None:  # expert rows: explicit global token indices
+        mask = keep_mask_at(ctx.key, ctx.p, ctx.token_index, ctx.feature_offset, x2.shape[1])
+    else:
+        mask = keep_mask(
+            ctx.key, ctx.p, ctx.token_offset, x2.shape[0], ctx.feature_offset, x2.shape[1]
+        )
     return x2 * mask.to(x2.dtype) * (1.0 / (1.0 - ctx.p)), mask
 
 
@@ -33,7 +36,8 @@ class _LoraDown(torch.autograd.Function):
     regenerating the dropout mask from the saved key."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale, p, key, token_offset, feature_offset):
+    def forward(ctx, x, weight, scale, p, key, token_offset, feature_offset, token_index):
+        ctx.token_index = token_index
         ctx.scale = scale
         ctx.p = p
         ctx.key = key
@@ -67,7 +71,7 @@ class _LoraDown(torch.autograd.Function):
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = torch.matmul(g.t(), x2).to(weight.dtype)  # [r, F]
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def lora_down(
@@ -78,6 +82,7 @@ def lora_down(
     key: Optional[torch.Tensor] = None,
     token_offset: int = 0,
     feature_offset: int = 0,
+    token_index: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """u = scale * dropout_p(x) @ weight^T.
 
@@ -86,9 +91,17 @@ def lora_down(
     p, key: dropout probability and key (see dropout.py); key is required when p > 0.
     token_offset / feature_offset: where this rank's tokens (leading dims flattened) and features
         start in the global input, so the mask is the slice of the global mask.
+    token_index: int64 [tokens] (leading dims flattened), the global token index of each row
+        when the rows are not a contiguous range (expert inputs, dispatcher order); replaces
+        token_offset. Kept for backward (8 bytes per token) with the key.
     Returns [..., r].
     """
     if p > 0.0 and key is None:
         raise ValueError("lora_down: a dropout key is required when p > 0")
+    if token_index is not None and token_index.numel() != x.numel() // x.shape[-1]:
+        raise ValueError(
+            f"lora_down: token_index has {token_index.numel()} entries for "
+            f"{x.numel() // x.shape[-1]} input rows"
+        )
     return _LoraDown.apply(x, weight, float(scale), float(p), key, int(token_offset),
-                           int(feature_offset))
+                           int(feature_offset), token_index if p > 0.0 else None)

@@ -8,20 +8,29 @@ part of a global batch (one sequence per data-parallel replica), calls finalize_
 compares output, aux loss, input gradient and every adapter gradient with the reference (each
 rank checks its own shards; the reference slices its global tensors the same way). Returns
 {name: max abs error} of the quantities over the tolerance.
+
+With dropout the reference rebuilds every mask from the documented definition in dropout.py:
+router rows = the replica's token positions under the router's key; expert e's fc1 / fc2 rows =
+the positions of the tokens routed to e under sub_key(layer key, 2 e) / (2 e + 1), features from
+0 (fc2: of the global ffn). The keys are replayed from the generator state before the forward
+(the router draws first, then the layer); the scale is alpha / r or alpha / sqrt(r), computed
+here, never read from an adapter.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
-from megatron_lora.lora import AdapterConfig
+from megatron_lora.lora import AdapterConfig, draw_dropout_key
 from megatron_lora.lora.adapter import _shard
+from megatron_lora.lora.dropout import keep_mask, keep_mask_at, sub_key
 from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import wrap_router
 
@@ -86,7 +95,8 @@ def build_layer(layout, dispatcher: str, weights, adapter_config: AdapterConfig,
             mlp.linear_fc1.weight.copy_(_shard(weights["fc1"][e], 0, t, k, 2))
             mlp.linear_fc2.weight.copy_(_shard(weights["fc2"][e], 1, t, k))
     prefix = "decoder.layers.0.mlp.experts"
-    adapters = wrap_experts(experts, adapter_config, prefix=prefix, seed_for=seed_for)
+    adapters = wrap_experts(experts, adapter_config, prefix=prefix, seed_for=seed_for,
+                            moe_layer=layer)
     router_adapter = wrap_router(layer.router, adapter_config, seed=seed_for("router"))
     if dense_expert_adapters:  # the bug others shipped: expert adapters in the dense DP buffers
         for ad in adapters:
@@ -94,12 +104,19 @@ def build_layer(layout, dispatcher: str, weights, adapter_config: AdapterConfig,
     return config, layer, adapters, router_adapter
 
 
-def reference(weights, adapters_global, router_factors, x, grad_out, scale):
+def _drop(t, mask, p):
+    return t if mask is None else t * mask / (1.0 - p)
+
+
+def reference(weights, adapters_global, router_factors, x, grad_out, scale, drop=None):
     """Plain torch, one DP replica: x [s, b, h] -> loss = <y, grad_out> + aux; returns the
-    output, the aux loss and the graph leaves (autograd does the rest)."""
+    output, the aux loss and the graph leaves (autograd does the rest). drop: None or
+    (p, router key, layer key): LoRA inputs masked by the documented global masks."""
     ar, br = router_factors
-    tokens = x.reshape(-1, H)
-    logits = tokens @ weights["router"].t() + scale * (tokens @ ar.t()) @ br.t()
+    tokens = x.reshape(-1, H)  # row i = global token i of this replica ([s, b] sequence-major)
+    p, rkey, lkey = drop if drop is not None else (0.0, None, None)
+    rmask = keep_mask(rkey, p, 0, tokens.shape[0], 0, H).float() if drop else None
+    logits = tokens @ weights["router"].t() + scale * (_drop(tokens, rmask, p) @ ar.t()) @ br.t()
     top, idx = torch.topk(logits, TOPK, dim=1)
     probs = torch.softmax(top, dim=-1)
     scores = torch.softmax(logits, dim=-1)
@@ -109,14 +126,17 @@ def reference(weights, adapters_global, router_factors, x, grad_out, scale):
     y = torch.zeros_like(tokens)
     for e in range(E):
         a1, b1, a2, b2 = adapters_global[e]
-        w1 = weights["fc1"][e] + scale * b1 @ a1
-        w2 = weights["fc2"][e] + scale * b2 @ a2
         rows, slot = (idx == e).nonzero(as_tuple=True)
-        if rows.numel() == 0:
+        if rows.numel() == 0:  # no token: keep the factors in the graph (zero gradients)
+            y = y + 0.0 * (a1.sum() + b1.sum() + a2.sum() + b2.sum())
             continue
-        h1 = tokens[rows] @ w1.t()
+        m1 = keep_mask_at(sub_key(lkey, 2 * e), p, rows, 0, H).float() if drop else None
+        m2 = keep_mask_at(sub_key(lkey, 2 * e + 1), p, rows, 0, FFN).float() if drop else None
+        xe = tokens[rows]
+        h1 = xe @ weights["fc1"][e].t() + scale * (_drop(xe, m1, p) @ a1.t()) @ b1.t()
         act = F.silu(h1[:, :FFN]) * h1[:, FFN:]
-        out = (act * probs[rows, slot].unsqueeze(-1)) @ w2.t()
+        z = act * probs[rows, slot].unsqueeze(-1)
+        out = z @ weights["fc2"][e].t() + scale * (_drop(z, m2, p) @ a2.t()) @ b2.t()
         y = y.index_add(0, rows, out)
     y = y.reshape(x.shape)
     return y, aux, (y * grad_out).sum() + aux
@@ -133,7 +153,8 @@ def _grad(p):
 
 
 def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False,
-                 with_aux: bool = True) -> Dict[str, float]:
+                 with_aux: bool = True, dropout: float = 0.0,
+                 rslora: bool = False) -> Dict[str, float]:
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -144,7 +165,12 @@ def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False
         get_moe_layer_wise_logging_tracker,
     )
 
-    cfg = AdapterConfig(rank=RANK, alpha=ALPHA, init_lora_weights=False)
+    # rsLoRA with alpha / 2: the same scale as alpha / r (2 at r = 4), so the fp32 error budget
+    # stays the one of the plain cases, while a scale of alpha / r (1) would be far off.
+    alpha = ALPHA / 2 if rslora else ALPHA
+    cfg = AdapterConfig(rank=RANK, alpha=alpha, init_lora_weights=False, dropout=dropout,
+                        use_rslora=rslora)
+    scale = alpha / math.sqrt(RANK) if rslora else alpha / RANK
     weights = global_weights()
     config, layer, adapters, router_ad = build_layer(
         layout, dispatcher, weights, cfg, dense_expert_adapters=dense_expert_adapters)
@@ -159,7 +185,15 @@ def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False
     x = local(x_all[dp_rank]).clone().requires_grad_(True)
     clear_aux_losses_tracker()
     layer.train()
+    rng = torch.get_rng_state()
     out, _ = model(x)
+    drop: Optional[tuple] = None
+    if dropout:  # replay the draws: the router's key, then the MoE layer's (experts)
+        after = torch.get_rng_state()
+        torch.set_rng_state(rng)
+        cpu = torch.device("cpu")
+        drop = (dropout, draw_dropout_key(cpu), draw_dropout_key(cpu))
+        torch.set_rng_state(after)
     (out * local(g_all[dp_rank])).sum().backward()
     finalize_model_grads([model])
     tracker = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
@@ -184,7 +218,7 @@ def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False
     total = 0.0
     outs, auxes = [], []
     for r in range(dp):
-        y, aux_r, loss = reference(weights, expert_ref, (ar, br), xr[r], g_all[r], cfg.scaling)
+        y, aux_r, loss = reference(weights, expert_ref, (ar, br), xr[r], g_all[r], scale, drop)
         outs.append(y)
         auxes.append(aux_r)
         total = total + loss
@@ -198,6 +232,14 @@ def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False
         "router.lora_B": _err(_grad(router_ad.lora_B), br.grad / dp),
     }
     t, k = layer.experts.tp_group.size(), layer.experts.tp_group.rank()
+    # Every rank must check its own experts' adapters, and together all of them: each of the E
+    # experts' 2 adapters lives on expert-TP ranks of every expert-data-parallel replica.
+    held = torch.tensor([len(adapters)])
+    dist.all_reduce(held)
+    world = dist.get_world_size()
+    expected = 2 * E * world // layout.ep
+    if len(adapters) != 2 * layer.experts.num_local_experts or held.item() != expected:
+        errors["checked_adapters"] = float("inf")
     for ad in adapters:
         a1, b1, a2, b2 = expert_ref[ad.global_expert]
         if ad.global_name.endswith("linear_fc1"):

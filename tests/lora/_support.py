@@ -10,6 +10,7 @@ names of the quantities that differ (empty list: the layout is exact).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, replace
 from typing import Dict, List
 
@@ -22,7 +23,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lora.lora import AdapterConfig, LoraAdapter, draw_dropout_key, keep_mask
 
 IN, OUT, RANK, SEQ, BATCH = 24, 16, 4, 8, 2
+ALPHA = 8.0
 ATOL = 1e-5
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    """The LoRA scale from the hyper-parameters alone (never from the code under test):
+    alpha / r, or alpha / sqrt(r) with rsLoRA (at r = 4: 2 vs 4)."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class Case:
     finalize: bool = True  # reduce SP-partial grads over TP as finalize_model_grads does
     ddp: bool = False  # wrap in megatron DDP and call finalize_model_grads itself
     te_style: bool = False  # wrap the base in a shim exposing only TE-style attributes
+    rslora: bool = False  # scale alpha / sqrt(r)
 
     def name(self) -> str:
         parts = [self.mode, "sp" if self.sp else "nosp"]
@@ -48,6 +57,8 @@ class Case:
         parts += ["bias" if self.bias else "nobias"] + (["skip"] if self.skip_bias_add else [])
         if self.dropout:
             parts.append(f"p{self.dropout}")
+        if self.rslora:
+            parts.append("rslora")
         if self.train_base_weight:
             parts.append("trainW")
         if self.ddp:
@@ -64,10 +75,12 @@ def all_cases(tp: int, dropouts=(0.0, 0.25)) -> List[Case]:
         for bias in (False, True):
             for skip in (False, True):
                 for p in dropouts:
+                    # Every dropout case also scales by rsLoRA; the p = 0 ones by alpha / r.
+                    rs = p > 0
                     for gather in (False, True):
-                        out.append(Case("column", sp, gather, True, bias, skip, p))
+                        out.append(Case("column", sp, gather, True, bias, skip, p, rslora=rs))
                     for parallel_in in ([True] if sp else [True, False]):
-                        out.append(Case("row", sp, False, parallel_in, bias, skip, p))
+                        out.append(Case("row", sp, False, parallel_in, bias, skip, p, rslora=rs))
         # A trainable base weight: megatron's other linear path (it also trains a column bias).
         for gather in (False, True):
             out.append(Case("column", sp, gather, True, True, False, train_base_weight=True))
@@ -75,13 +88,15 @@ def all_cases(tp: int, dropouts=(0.0, 0.25)) -> List[Case]:
             out.append(Case("row", sp, False, parallel_in, True, False, train_base_weight=True))
         if sp:
             # The real thing: megatron DDP (main_grad buffers) + finalize_model_grads.
-            out.append(Case("column", True, False, True, True, True, 0.25, ddp=True))
-            out.append(Case("row", True, False, True, True, False, 0.25, ddp=True))
+            out.append(Case("column", True, False, True, True, True, 0.25, ddp=True, rslora=True))
+            out.append(Case("row", True, False, True, True, False, 0.25, ddp=True, rslora=True))
         if tp > 1:
             # A base described only by parallel_mode / in_features / tp_group (TE's attributes).
             for p in (0.0, 0.25):
-                out.append(Case("column", sp, False, True, True, True, p, te_style=True))
-                out.append(Case("row", sp, False, True, True, False, p, te_style=True))
+                out.append(Case("column", sp, False, True, True, True, p, te_style=True,
+                                rslora=p > 0))
+                out.append(Case("row", sp, False, True, True, False, p, te_style=True,
+                                rslora=p > 0))
     return out
 
 
@@ -181,7 +196,8 @@ def build(case: Case, tp: int, seed: int = 7, adapter_seed: int = 11, dtype=torc
     if case.te_style:
         base = TEStyleLinear(base, case.mode)
     adapter = LoraAdapter(
-        base, AdapterConfig(rank=RANK, alpha=8.0, dropout=case.dropout, init_lora_weights=False),
+        base, AdapterConfig(rank=RANK, alpha=ALPHA, dropout=case.dropout, init_lora_weights=False,
+                            use_rslora=case.rslora),
         seed=adapter_seed,
     )
     if case.bias:
@@ -256,7 +272,7 @@ def run_case(case: Case, tp: int) -> Dict[str, object]:
         finalize_tp_grads(adapter, config)
     loss = replicated_part.detach() + _sum_over_tp(partial_part.detach())
 
-    # ---- single-process reference from the gathered global tensors ----
+    # ---- single-process reference from the gathered global tensors and the config ----
     col = case.mode == "column"
     w = gather(base.weight, 0 if col else 1).requires_grad_(True)
     a = (adapter.lora_A.detach().clone() if col else gather(adapter.lora_A, 1)).requires_grad_(True)
@@ -267,9 +283,11 @@ def run_case(case: Case, tp: int) -> Dict[str, object]:
     xr = x_global.clone().requires_grad_(True)
     xd = xr
     if case.dropout:
+        # The global mask of the documented hash: tokens are the flattened [s, b] positions.
         mask = keep_mask(key, case.dropout, 0, SEQ * BATCH, 0, IN).reshape(SEQ, BATCH, IN)
         xd = xr * mask / (1.0 - case.dropout)
-    y = xr @ w.t() + adapter.scaling * ((xd @ a.t()) @ b.t())
+    scale = lora_scale(ALPHA, RANK, case.rslora)
+    y = xr @ w.t() + scale * ((xd @ a.t()) @ b.t())
     ref_out = y + gb if (case.bias and not case.skip_bias_add) else y
     ref_total = ref_out + gb if (case.bias and case.skip_bias_add and not bias_separate) else ref_out
     ref_loss = (ref_total * g_out).sum()

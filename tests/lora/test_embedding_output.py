@@ -2,7 +2,13 @@
 and output-layer LoRA (column-parallel vocabulary projection, own or tied weight) equal a plain
 torch reference from the same global weights: output, and gradients of A, B (after the TP step of
 finalize_model_grads) and of the input, fp32, atol 1e-5, non-zero factors, at TP {1, 2, 4} with
-and without SP. Also: disabling the embedding's [T, r] reduction breaks the comparison."""
+and without SP, scale alpha / r, and again with rsLoRA (alpha / sqrt(r)) and dropout 0.25 in
+training: the output layer's input masked by the documented global mask (token = position in
+[s, b], feature = global hidden index) under the replayed key, the embedding unmasked (no dropout
+on token ids, as documented). The scale is computed here from (alpha, r, use_rslora), never read
+from an adapter. Also: disabling the embedding's [T, r] reduction breaks the comparison."""
+
+import math
 
 import pytest
 import torch
@@ -13,11 +19,11 @@ from tests.harness import multirank
 V, H, SEQ, BATCH, RANK = 64, 24, 8, 2, 4
 
 
-def _run(tp: int, sp: bool, tied: bool):
+def _run(tp: int, sp: bool, tied: bool, drop: bool = False):
     from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_lora.lora import AdapterConfig
+    from megatron_lora.lora import AdapterConfig, draw_dropout_key, keep_mask
     from megatron_lora.lora.embedding import wrap_embedding, wrap_output_layer
     from tests.lora._support import finalize_tp_grads, gather, shard
 
@@ -32,7 +38,10 @@ def _run(tp: int, sp: bool, tied: bool):
     g_emb = torch.randn(SEQ, BATCH, H, generator=g)
     h_out = torch.randn(SEQ, BATCH, H, generator=g)
     g_logits = torch.randn(SEQ, BATCH, V, generator=g) * 0.1
-    cfg = AdapterConfig(rank=RANK, alpha=8.0, init_lora_weights=False)
+    alpha, p = 8.0, 0.25 if drop else 0.0
+    cfg = AdapterConfig(rank=RANK, alpha=alpha, init_lora_weights=False, dropout=p,
+                        use_rslora=drop)
+    scale = alpha / math.sqrt(RANK) if drop else alpha / RANK
 
     emb = VocabParallelEmbedding(V, H, init_method=torch.nn.init.zeros_, config=config,
                                  reduce_scatter_embeddings=sp)
@@ -46,10 +55,19 @@ def _run(tp: int, sp: bool, tied: bool):
     e_ad = wrap_embedding(emb, cfg, seed=11)
     o_ad = wrap_output_layer(out_layer, cfg, seed=12)
 
+    assert e_ad.training and o_ad.training  # dropout, when configured, is active
+    rng = torch.get_rng_state()
     y = e_ad(ids)  # [s/t, b, h] under SP, else [b, s, h]
     ge = shard(g_emb, 0) if sp else g_emb.transpose(0, 1)
     x = (shard(h_out, 0) if sp else h_out).clone().requires_grad_(True)
     logits, _ = o_ad(x, weight=emb.weight if tied else None)
+    mask = torch.ones(SEQ, BATCH, H)
+    if drop:  # the embedding draws no key; the output layer's is the first draw
+        after = torch.get_rng_state()
+        torch.set_rng_state(rng)
+        key = draw_dropout_key(torch.device("cpu"))
+        torch.set_rng_state(after)
+        mask = keep_mask(key, p, 0, SEQ * BATCH, 0, H).float().reshape(SEQ, BATCH, H) / (1 - p)
     loss = (y * ge).sum() + (logits * shard(g_logits, 2)).sum()
     loss.backward()
     finalize_tp_grads(e_ad, config)
@@ -61,8 +79,8 @@ def _run(tp: int, sp: bool, tied: bool):
     oa = o_ad.lora_A.detach().clone().requires_grad_(True)
     ob = gather(o_ad.lora_B, 0).requires_grad_(True)
     xr = h_out.clone().requires_grad_(True)
-    ry = (w_emb[ids] + cfg.scaling * ea.t()[ids] @ eb.t()).transpose(0, 1)  # [s, b, h]
-    rl = xr @ w_out.t() + cfg.scaling * (xr @ oa.t()) @ ob.t()
+    ry = (w_emb[ids] + scale * ea.t()[ids] @ eb.t()).transpose(0, 1)  # [s, b, h]
+    rl = xr @ w_out.t() + scale * ((xr * mask) @ oa.t()) @ ob.t()
     ((ry * g_emb).sum() + (rl * g_logits).sum()).backward()
     want_y = shard(ry, 0) if sp else ry.transpose(0, 1)
     checks = {
@@ -87,10 +105,10 @@ def test_embedding_and_output_layer_match_reference(layout):
 
     report = {}
     for sp in ([False, True] if layout.tp > 1 else [False]):
-        for tied in (False, True):
-            bad = _run(layout.tp, sp, tied)
+        for tied, drop in ((False, False), (True, False), (False, True)):
+            bad = _run(layout.tp, sp, tied, drop)
             if bad:
-                report[f"sp={sp}/tied={tied}"] = bad
+                report[f"sp={sp}/tied={tied}" + ("/p0.25+rslora" if drop else "")] = bad
     if layout.tp > 1:  # the [T, r] reduction of the embedding's partial lookups matters
         with patched(C._AllReduce, "forward", lambda ctx, x, group: x.clone()):
             broken = _run(layout.tp, False, False)

@@ -111,3 +111,81 @@ def test_grouped_equals_per_expert_adapters(layout):
             if any(n == 0 for n in counts) and grouped.lora_B.grad.abs().sum() == 0:
                 problems.append(f"{name}: no gradient at all")
     assert not problems, problems
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(ep=1, etp=2)], ids=["ETP2"])
+@multirank(world_size=2, timeout=300)
+def test_grouped_dropout_and_rslora_match_the_global_mask_reference(layout):
+    """Dropout 0.3 + rsLoRA, rows in dispatcher order (arbitrary global token indices, an empty
+    expert), local experts 4..7 of 8: at expert-TP 1 and 2 under the same key, output, input
+    gradient and factor gradients equal plain torch built from the global factors, the scale
+    alpha / sqrt(r) and the documented mask keep_mask_at(sub_key(key, 2 g + j), token, feature)
+    over GLOBAL features (fc2's rank k sees features k f/t ..)."""
+    import math
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_lora.lora import AdapterConfig, init_global_factors
+    from megatron_lora.lora.adapter import _shard
+    from megatron_lora.lora.dropout import keep_mask_at, sub_key
+    from megatron_lora.lora.grouped import GroupedExpertLora
+
+    group = ps.get_expert_tensor_parallel_group()
+    p, alpha, first = 0.3, 8.0, 4
+    cfg = AdapterConfig(rank=RANK, alpha=alpha, dropout=p, use_rslora=True,
+                        init_lora_weights=False)
+    scale = alpha / math.sqrt(RANK)
+    counts = [3, 0, 5, 2]
+    g = torch.Generator().manual_seed(3)
+    token_ids = torch.randperm(64, generator=g)[: sum(counts)]
+    key = torch.tensor([123457, 765431], dtype=torch.int64)
+    problems = []
+    for j, (kind, fin, fout) in enumerate((("linear_fc1", H, 2 * FFN), ("linear_fc2", FFN, H))):
+        seeds = [97 * (first + e) + j for e in range(len(counts))]
+        x = torch.randn(sum(counts), fin, generator=g)
+        gy = torch.randn(sum(counts), fout, generator=g)
+        # reference over the global tensors
+        xr = x.clone().requires_grad_(True)
+        leaves, outs, start = [], [], 0
+        for e, n in enumerate(counts):
+            a, b = init_global_factors(cfg, fin, fout, seeds[e])
+            a.requires_grad_(True)
+            b.requires_grad_(True)
+            leaves.append((a, b))
+            rows = slice(start, start + n)
+            mask = keep_mask_at(sub_key(key, 2 * (first + e) + j), p, token_ids[rows], 0, fin)
+            outs.append(scale * ((xr[rows] * mask / (1 - p)) @ a.t()) @ b.t())
+            start += n
+        ref = torch.cat(outs)
+        ref.backward(gy)
+        ref_ga = torch.stack([a.grad for a, _ in leaves])
+        ref_gb = torch.stack([b.grad for _, b in leaves])
+        for tp_group in (None, group):
+            t = 1 if tp_group is None else tp_group.size()
+            k = 0 if tp_group is None else tp_group.rank()
+            module = GroupedExpertLora(kind, cfg, fin, fout, seeds, group=tp_group,
+                                       stride=2 if j == 0 else 1, expert_offset=first)
+            module.train()
+            xl = (x if j == 0 else _shard(x, 1, t, k)).clone().requires_grad_(True)
+            y = module(xl, torch.tensor(counts), token_ids, dropout_key=key)
+            y.backward(_shard(gy, 1, t, k, 2) if j == 0 else gy)
+            gx = xl.grad.clone()
+            if j == 0:  # fc1: the input gradient is partial over expert-TP (B sharded)
+                if t > 1:
+                    dist.all_reduce(gx, group=tp_group)
+                checks = {"output": (y, _shard(ref, 1, t, k, 2)), "grad_input": (gx, xr.grad),
+                          "grad_A": (module.lora_A.grad, ref_ga),
+                          "grad_B": (module.lora_B.grad, _shard(ref_gb, 1, t, k, 2))}
+            else:  # fc2: the output is partial over expert-TP (A sharded on features)
+                y_full = y.detach().clone()
+                if t > 1:
+                    dist.all_reduce(y_full, group=tp_group)
+                checks = {"output": (y_full, ref), "grad_input": (gx, _shard(xr.grad, 1, t, k)),
+                          "grad_A": (module.lora_A.grad, _shard(ref_ga, 2, t, k)),
+                          "grad_B": (module.lora_B.grad, ref_gb)}
+            for what, (got, want) in checks.items():
+                err = (got.detach() - want.detach()).abs().max().item()
+                if not err <= 1e-5 * max(1.0, want.abs().max().item()):  # fp32, O(10) values
+                    problems.append(f"{kind} ETP{t} {what}: {err}")
+    assert not problems, problems

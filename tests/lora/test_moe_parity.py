@@ -4,7 +4,13 @@ input gradient, router-LoRA gradients and every expert adapter's gradients (each
 shards it holds of every global expert), fp32, atol 1e-5, at EP {1, 2, 4} x expert-TP {1, 2} x
 TP {1, 2} (SP when TP > 1) x dispatcher {allgather, alltoall}, through megatron DDP and
 finalize_model_grads. World size = max(TP, EP * ETP), so data parallelism (dense and expert) is
-exercised wherever the two differ. One body per world size (worlds are expensive to start)."""
+exercised wherever the two differ. One body per world size (worlds are expensive to start).
+
+A representative subset (EP 1 / EP 2 / expert-TP 2, TP 2 with SP, both dispatchers) runs again
+with dropout 0.25 and rsLoRA on the router and every expert adapter: the reference builds every
+mask from the global definition (token position in the replica, global feature) under the replayed
+keys, so passing at each of them means the expert masks are the same at every layout and
+dispatcher."""
 
 import pytest
 
@@ -15,6 +21,10 @@ LAYOUTS = [
     ParallelLayout(tp=tp, ep=ep, etp=etp, sp=tp > 1)
     for tp in (1, 2) for ep in (1, 2, 4) for etp in (1, 2)
 ]
+
+
+# (tp, ep, etp) that also run with dropout + rsLoRA (one or two per world; world 8 stays as is).
+DROPOUT_LAYOUTS = {(1, 1, 1), (1, 2, 1), (2, 1, 2), (2, 2, 2)}
 
 
 def world_of(layout) -> int:
@@ -33,10 +43,15 @@ def test_moe_layer_matches_reference_at_every_layout(world_size):
         # One initialisation per layout (the dispatcher is a config choice): every re-initialised
         # world leaves gloo threads behind, so fewer of them keep the reused worlds light.
         runtime.initialize(layout, seed=1234)
+        variants = [(0.0, False)]
+        if (layout.tp, layout.ep, layout.expert_tp) in DROPOUT_LAYOUTS:
+            variants.append((0.25, True))
         for dispatcher in ("allgather", "alltoall"):
-            cases += 1
-            bad = run_moe_case(layout, dispatcher)
-            if bad:
-                report[f"TP{layout.tp}xEP{layout.ep}xETP{layout.expert_tp}/{dispatcher}"] = bad
+            for dropout, rslora in variants:
+                cases += 1
+                bad = run_moe_case(layout, dispatcher, dropout=dropout, rslora=rslora)
+                if bad:
+                    name = f"TP{layout.tp}xEP{layout.ep}xETP{layout.expert_tp}/{dispatcher}"
+                    report[name + ("/p0.25+rslora" if dropout else "")] = bad
     assert cases > 0
     assert not report, f"{len(report)}/{cases} layouts differ from the reference: {report}"

@@ -29,8 +29,11 @@ megatron internals relied on (megatron-core 0.16): MoELayer.token_dispatcher and
 dispatcher's dispatch_preprocess(hidden, routing_map, probs) / token_dispatch(hidden, probs) /
 dispatch_postprocess(hidden, probs) -> (rows, tokens_per_expert, probs); SequentialMLP.forward(
 rows, tokens_per_expert, probs) calling local_experts in order on splits of tokens_per_expert.
-Not supported: quantisation padding of expert inputs (fp8 / fp4), capacity-factor
-drop-and-pad (padded rows would get index 0); both raise or mis-mask only with dropout > 0.
+Tested with the allgather and alltoall dispatchers (the flex dispatcher has the same pipeline,
+untested). Not supported, with dropout > 0 only: quantisation padding of expert inputs (fp8 /
+fp4: raises), capacity-factor drop-and-pad (padded rows would get index 0), and schedules that
+interleave one micro-batch's dispatch with another's expert compute (the route holds one
+forward's indices at a time).
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> Toke
         raise ValueError("the MoE layer's token dispatcher already carries a token route")
     base_preprocess = type(dispatcher).dispatch_preprocess
 
-    def dispatch_preprocess(hidden_states, routing_map, probs):
+    def dispatch_preprocess(hidden_states, routing_map, probs, *args, **kwargs):
         route.key = route.ids = route.split = None
         if needs_route():
             layer = layer_ref()
@@ -133,11 +136,12 @@ def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> Toke
                 )
             route.ids = dispatch_token_index(
                 dispatcher_ref(), hidden_states, routing_map, probs, index)
-        return base_preprocess(dispatcher_ref(), hidden_states, routing_map, probs)
+        return base_preprocess(dispatcher_ref(), hidden_states, routing_map, probs, *args,
+                               **kwargs)
 
     base_forward = type(experts_module).forward
 
-    def forward(permuted_hidden, tokens_per_expert, permuted_probs):
+    def forward(permuted_hidden, tokens_per_expert, *args, **kwargs):
         if route.ids is not None:
             if route.ids.numel() != permuted_hidden.shape[0]:
                 raise RuntimeError(
@@ -147,7 +151,7 @@ def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> Toke
             counts = [int(c) for c in tokens_per_expert.tolist()]
             route.split = list(torch.split(route.ids, counts))
         try:
-            return base_forward(experts_ref(), permuted_hidden, tokens_per_expert, permuted_probs)
+            return base_forward(experts_ref(), permuted_hidden, tokens_per_expert, *args, **kwargs)
         finally:
             route.split = None
 

@@ -144,3 +144,54 @@ def test_merge_and_unmerge_router_embedding_and_output_adapters(layout=ParallelL
     torch.testing.assert_close(merged, with_lora, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(again, with_lora, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(unchanged, base_weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@multirank(world_size=2, timeout=300)
+def test_apply_lora_wires_expert_dropout_through_the_dispatcher(dispatcher,
+                                                                layout=ParallelLayout(ep=2)):
+    """With lora_dropout on the experts, apply_lora attaches each MoE layer's token route: in a
+    training step every expert adapter on every rank masks by global token indices that came
+    through the dispatcher (each position of the replica's [s, b] reaching its top-k experts);
+    in eval nothing is routed."""
+    shape = tiny_mixtral_shape()
+    model = build_gpt_model(shape, transformer_config(shape, layout, dispatcher=dispatcher))
+    adapters = apply_lora(model, LoraConfig(r=4, lora_dropout=0.25, init_lora_weights=False,
+                                            target_modules=["linear_fc1", "linear_fc2"]),
+                          verbose=False)
+    experts = [a for name, a in adapters.items() if ".experts." in name]
+    seen = {}
+    for adapter in experts:
+        def spy(input_, _source=adapter.dropout_rows, _name=adapter.global_name):
+            key, rows = _source(input_)
+            seen.setdefault(_name, []).append(rows)
+            return key, rows
+        adapter.dropout_rows = spy
+    seq, batch = 16, 2
+    tokens = torch.randint(0, shape.vocab_size, (batch, seq),
+                           generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(seq).unsqueeze(0)
+    model.train()
+    model(tokens, pos, attention_mask=None).float().sum().backward()
+    assert sorted(seen) == sorted(a.global_name for a in experts)
+    layers = sorted({n.split(".mlp.")[0] for n in seen})
+    for name, calls in seen.items():
+        assert len(calls) == 1, name  # one call per training forward
+    for layer in layers:
+        # Over both ranks' fc1 adapters of a layer, each token position of [s, b] arrives
+        # exactly top-k times per replica (the two EP ranks are the two data-parallel replicas).
+        counts = torch.zeros(seq * batch, dtype=torch.int64)
+        for name, calls in seen.items():
+            if name.startswith(layer + ".") and name.endswith("linear_fc1"):
+                counts += torch.bincount(calls[0], minlength=seq * batch)[: seq * batch]
+                assert calls[0].numel() == 0 or calls[0].max() < seq * batch, name
+        dist.all_reduce(counts)
+        assert torch.all(counts == 2 * shape.moe_router_topk), (layer, counts)
+    held = torch.tensor([len(experts)])
+    dist.all_reduce(held)
+    assert held.item() == 2 * len(layers) * shape.num_experts  # fc1 + fc2 of all global experts
+    seen.clear()
+    model.eval()
+    with torch.no_grad():
+        model(tokens, pos, attention_mask=None)
+    assert not seen

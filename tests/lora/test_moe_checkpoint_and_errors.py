@@ -96,6 +96,7 @@ def test_checkpoints_reshard_and_keep_base_keys(tmp_path):
         _, layer, adapters, router = M.build_layer(load_at, "alltoall", weights, cfg)
         _load(layer, str(tmp_path / name))
         t, k = layer.experts.tp_group.size(), layer.experts.tp_group.rank()
+        assert len(adapters) == 2 * layer.experts.num_local_experts > 0  # no rank checks nothing
         ar, br = init_global_factors(cfg, M.H, M.E, M.seed_for("router"))
         assert torch.equal(router.lora_A, _perturb(ar)) and torch.equal(router.lora_B, _perturb(br))
         for ad in adapters:
@@ -134,9 +135,10 @@ def test_bad_input_is_rejected_before_any_collective(layout):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_lora.models.specs import local_layer_spec
+    from megatron_lora.runtime.versions import spec_submodules
 
     fresh = MoELayer(M.layer_config(layout, "allgather"),
-                     submodules=local_layer_spec(M.E).submodules.mlp.submodules)
+                     submodules=spec_submodules(local_layer_spec(M.E).submodules.mlp))
     experts = fresh.experts
     prefix = "decoder.layers.0.mlp.experts"
 
@@ -154,6 +156,11 @@ def test_bad_input_is_rejected_before_any_collective(layout):
                               targets=("linear_qkv",)), ValueError, r"targets must be"),
         (lambda: wrap_experts(fresh.router, ok, prefix=prefix, seed_for=M.seed_for),
          UnsupportedBaseLayerError, r"needs a megatron-core SequentialMLP"),
+        (lambda: wrap_experts(experts, AdapterConfig(rank=4, alpha=8, dropout=0.1),
+                              prefix=prefix, seed_for=M.seed_for), ValueError,
+         r"expert LoRA dropout > 0 needs moe_layer="),
+        (lambda: wrap_experts(experts, ok, prefix=prefix, seed_for=M.seed_for, moe_layer=experts),
+         ValueError, r"moe_layer must be the MoELayer whose `experts` is experts_module"),
         (lambda: _wrap_with_local_count(experts, 3, ok, prefix=prefix, seed_for=M.seed_for),
          ValueError, r"expert count does not fit the layout: num_local_experts=3 x EP size 2"),
         (lambda: wrap_router(None, ok, seed=1), UnsupportedBaseLayerError,
@@ -166,6 +173,9 @@ def test_bad_input_is_rejected_before_any_collective(layout):
          r"column-parallel"),
         (lambda: GroupedExpertLora("linear_fc1", ok, 8, 8, [1, 2])(torch.zeros(5, 8), [2, 2, 1]),
          ValueError, r"tokens_per_expert \[2, 2, 1\] does not fit 2 local experts"),
+        (lambda: GroupedExpertLora("linear_fc1", AdapterConfig(rank=4, alpha=8, dropout=0.1), 8,
+                                   8, [1, 2])(torch.zeros(5, 8), [2, 3]),
+         ValueError, r"GroupedExpertLora: dropout 0.1 in training needs token_ids"),
     ]
     with record_collectives() as calls:
         for make, error, pattern in bad:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import List, Optional
 
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: stop if the launcher dies
+        from megatron_lora.runtime.watchdog import watch_launcher
+
+        watch_launcher()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -6,7 +6,9 @@
 
 --tokens: a JSON list of token-id lists of equal length. --out: safetensors with one tensor
 `logits` [batch, seq, vocab] fp32 (vocab = config.json's vocab_size, padding dropped), written by
-one rank. Weights come from a torch_dist checkpoint (--load) or straight from HF safetensors
+one rank, through a temporary file renamed into place (an existing --out file is replaced only
+with --overwrite; a folder, an input or an unwritable location is refused up front). Weights
+come from a torch_dist checkpoint (--load) or straight from HF safetensors
 (--load-hf, each rank reading only its own slices). --adapter adds a LoRA adapter checkpoint (from
 `megatron-lora train` or `import peft`, saved at any layout): apply_lora with the checkpoint's
 LoraConfig, then its factors are loaded. Every input and the layout are checked on every rank
@@ -33,6 +35,7 @@ def register(sub) -> None:
                    "iter_* folder) applied on top of the base weights")
     p.add_argument("--tokens", required=True, help="JSON list of equal-length token-id lists")
     p.add_argument("--out", required=True, help="output .safetensors (tensor 'logits', fp32)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     add_layout_args(p)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="run the model in bf16 (default fp32)")
@@ -104,6 +107,11 @@ def _run(args) -> int:
             from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
             lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
+        from megatron_lora.convert.outputs import check_output
+
+        check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
+            "--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
+            "--adapter": args.adapter, "--tokens": args.tokens})
     except (ConversionError, MixtralConfigError, LayoutError) as exc:
         print(f"megatron-lora logits: error: {exc}", file=sys.stderr)
         return 2
@@ -143,11 +151,11 @@ def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
     logits = forward_logits(model, tokens.to(runtime.device()), info.vocab_size,
                             micro_batch_size=args.micro_batch_size)
     if logits is not None:
+        from megatron_lora.convert.atomic import atomic_file
+
         out = os.path.abspath(args.out)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        tmp = f"{out}.partial-{os.getpid()}"
-        save_file({"logits": logits.float().cpu().contiguous()}, tmp)
-        os.replace(tmp, out)
+        with atomic_file(out) as tmp:  # --out was checked before the first collective
+            save_file({"logits": logits.float().cpu().contiguous()}, tmp)
         print(f"wrote logits {list(logits.shape)} to {out} "
               f"({layout.describe()} on {dist.get_world_size()} ranks)", file=sys.stderr)
     dist.barrier()

@@ -20,7 +20,7 @@ from typing import Tuple
 
 import torch
 
-from megatron_lora.convert.atomic import atomic_directory, check_output_free
+from megatron_lora.convert.atomic import atomic_directory
 from megatron_lora.convert.dcp_write import write_torch_dist
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_files import HFCheckpoint
@@ -30,6 +30,7 @@ from megatron_lora.convert.mapping import (
     hf_shapes,
     mcore_tensors,
 )
+from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.progress import byte_bar
 from megatron_lora.models.mixtral import MixtralInfo, read_hf_config
 
@@ -72,7 +73,7 @@ def open_hf(hf_dir: str) -> Tuple[MixtralInfo, HFCheckpoint, torch.dtype]:
 
 def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bool = True) -> None:
     """Convert `hf_dir` into a torch_dist checkpoint at `save` (created atomically)."""
-    check_output_free(save, overwrite)
+    prepare_output_dir(save, overwrite=overwrite, inputs={"--hf-dir": hf_dir})
     info, ckpt, dtype = open_hf(hf_dir)
     tensors = mcore_tensors(info, dtype)
     total = sum(sum(_nbytes(c.sizes, dtype) for c in t.chunks) for t in tensors)

@@ -18,11 +18,12 @@ import re
 import shutil
 from typing import List, Tuple
 
-from megatron_lora.convert.atomic import atomic_directory, check_output_free
+from megatron_lora.convert.atomic import atomic_directory
 from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_to_mcore import HF_FILES, read_mcore_info
 from megatron_lora.convert.mapping import Chunk, McoreTensor, Zeros, mcore_tensors
+from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.progress import byte_bar
 from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter, nbytes
 
@@ -57,7 +58,8 @@ def mcore_to_hf(load: str, save: str, *, hf_config: str = None,
     transform(key, chunk, box) -> box, if given, edits each box read from the checkpoint before
     it is split into HF tensors (export/merged.py adds LoRA updates this way).
     """
-    check_output_free(save, overwrite)
+    prepare_output_dir(save, overwrite=overwrite,
+                       inputs={"--load": load, "--hf-config": hf_config})
     info = read_mcore_info(load, hf_config)
     ckpt = TorchDistCheckpoint(load)
     tensors = mcore_tensors(info)

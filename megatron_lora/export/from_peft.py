@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_lora.convert.atomic import check_output_free
+from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
 from megatron_lora.export.peft_config import alpha_for, read_adapter_config
@@ -202,7 +202,8 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
 
     Returns a report: {"ranks": {kind: rank}, "config": LoraConfig.to_dict(), "notes": [...]}
     (notes: stacked sites with their ranks, rescaled sites, zero-padded and zero sites)."""
-    check_output_free(save, overwrite)
+    prepare_output_dir(save, overwrite=overwrite,
+                       inputs={"--adapter": adapter_dir, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
     cfg = read_adapter_config(adapter_dir)
     pf = PeftAdapterFile(adapter_dir, info, cfg)

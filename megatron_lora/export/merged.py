@@ -17,10 +17,10 @@ from typing import Tuple
 
 import torch
 
-from megatron_lora.convert.atomic import check_output_free
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_to_mcore import read_mcore_info
 from megatron_lora.convert.mcore_to_hf import DEFAULT_SHARD_BYTES, mcore_to_hf
+from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 from megatron_lora.export.table import sites
 
@@ -59,7 +59,8 @@ def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = Non
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
                      progress: bool = True) -> None:
     """Write the merged model as HF safetensors shards + index + config.json at `save`."""
-    check_output_free(save, overwrite)
+    prepare_output_dir(save, overwrite=overwrite,
+                       inputs={"--load": load, "--adapter": adapter, "--hf-config": hf_config})
     info = read_mcore_info(load, hf_config)
     merger = _Merger(AdapterCheckpoint(adapter, info), info)
     if info.shape.tie_embeddings and {"embedding", "output_layer"} & set(merger.adapter.ranks):

@@ -21,7 +21,8 @@ import re
 from collections import Counter
 from typing import Dict, List, Tuple
 
-from megatron_lora.convert.atomic import atomic_directory, check_output_free
+from megatron_lora.convert.atomic import atomic_directory
+from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter
 from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 from megatron_lora.export.peft_config import CONFIG_NAME, WEIGHTS_NAME, adapter_config_dict
@@ -68,7 +69,8 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
 
     adapter: adapter checkpoint (iteration folder, or a run folder with a tracker).
     hf_config: the base model's config.json (or its folder; nothing else is read)."""
-    check_output_free(save, overwrite)
+    prepare_output_dir(save, overwrite=overwrite,
+                       inputs={"--adapter": adapter, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
     ckpt = AdapterCheckpoint(adapter, info)
     entries: List[Tuple[str, Tuple[int, ...], object]] = []

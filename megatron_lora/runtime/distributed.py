@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lora.runtime import cpu_compat
+from megatron_lora.runtime import cpu_compat, watchdog
 from megatron_lora.runtime.layout import ParallelLayout
 
 _CURRENT: Optional[ParallelLayout] = None
@@ -37,7 +37,10 @@ def device() -> torch.device:
 def init_process_group(
     backend: Optional[str] = None, timeout_s: float = 600.0, **init_kwargs
 ) -> None:
-    """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_*)."""
+    """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_*).
+
+    Under torchrun this rank is also made to exit when the launcher dies (runtime.watchdog)."""
+    watchdog.watch_launcher()
     cpu_compat.install()
     if dist.is_initialized():
         return

@@ -53,6 +53,7 @@ def _setup_checks(args, layout, world_size):
             problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
         if problems:
             raise TrainSetupError("; ".join(problems))
+        _check_outputs(args)
         optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
                             lr_decay_style=args.lr_decay_style, train_iters=args.train_iters,
                             weight_decay=args.weight_decay, clip_grad=args.clip_grad)
@@ -62,6 +63,18 @@ def _setup_checks(args, layout, world_size):
             raise
         raise TrainSetupError(str(exc)) from None
     return info, hf, lora, run, optim, datasets
+
+
+def _check_outputs(args) -> None:
+    """--save and --tensorboard-dir: existing folders are fine (a run resumes / adds to them), but
+    not a file in the way, an unwritable location or an overlap with an input (OutputError)."""
+    from megatron_lora.convert.outputs import check_output
+
+    inputs = {"--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
+              "--data-path": args.data_path, "--tokenizer": args.tokenizer}
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        if path:
+            check_output(path, kind="dir", exists_ok=True, inputs=inputs, flag=flag)
 
 
 def _datasets(args, info, run):

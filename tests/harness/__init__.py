@@ -14,6 +14,8 @@
   stacks are printed, and the next test gets a fresh world.
 - Parameters and fixtures passed to the body must be picklable (tmp_path is).
 - On a machine with enough GPUs the worlds use NCCL, one GPU per rank; otherwise gloo on CPU.
+- A world gets MLORA_TEST_START_TIMEOUT seconds (default 300) to start; a failed or slow start is
+  retried once, said so on stderr, with a fresh port and twice that timeout.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.harness import WorldError, WorldTimeout, get_world, multirank
+from tests.harness.world import World
 
 
 @multirank(world_size=2)
@@ -70,3 +71,21 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_a_slow_world_start_is_retried_once_with_a_fresh_port_and_a_longer_timeout(capsys):
+    world = World(1, "gloo", start_timeout_s=0.01, retry_timeout_s=300)
+    world.start()  # no rank imports torch in 0.01 s: the first attempt times out
+    try:
+        assert world.alive() and len(world.procs) == 1
+        world.run("tests.harness.test_harness:_rank1_raises", {}, timeout=60)  # a working world
+    finally:
+        world.close()
+    err = capsys.readouterr().err
+    assert "world of 1 ranks failed to start (world of 1 ranks did not start within 0 s" in err
+    assert "retrying once with a fresh port and a 300 s timeout" in err
+
+
+def test_a_second_failed_start_is_raised():
+    with pytest.raises(WorldTimeout, match="did not start within 0 s"):
+        World(1, "gloo", start_timeout_s=0.01, retry_timeout_s=0.01).start()

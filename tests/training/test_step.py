@@ -37,7 +37,9 @@ def test_a_packed_sample_scores_exactly_as_it_would_alone(layout=ParallelLayout(
 def _grads(model, tokens, labels, loss_mask):
     model.zero_grad(set_to_none=True)
     forward_backward([model], tokens, labels, loss_mask, micro_batch_size=1)
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads, "no parameter received a gradient: the comparisons below would be vacuous"
+    return grads
 
 
 @multirank(world_size=1)

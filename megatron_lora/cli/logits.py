@@ -17,7 +17,6 @@ before the first collective, so a bad run fails fast on all ranks with one messa
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -47,22 +46,20 @@ def read_tokens(path: str, vocab_size: int):
     import torch
 
     from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.jsonfile import json_value, read_json
 
-    try:
-        with open(path) as f:
-            rows = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{path}: cannot read token ids: {exc}") from None
+    rows = read_json(path, ConversionError)
     if (not isinstance(rows, list) or not rows or
             not all(isinstance(r, list) and r and all(type(t) is int for t in r) for r in rows)):
         raise ConversionError(f"{path}: expected a non-empty JSON list of non-empty lists of ints")
     if len({len(r) for r in rows}) != 1:
         raise ConversionError(f"{path}: sequences have different lengths {sorted({len(r) for r in rows})}")
-    tokens = torch.tensor(rows, dtype=torch.int64)
-    if tokens.min() < 0 or tokens.max() >= vocab_size:
-        raise ConversionError(f"{path}: token ids must be in [0, {vocab_size}), got "
-                              f"[{int(tokens.min())}, {int(tokens.max())}]")
-    return tokens
+    bad = next(((i, j, t) for i, r in enumerate(rows) for j, t in enumerate(r)
+                if not 0 <= t < vocab_size), None)  # checked before int64 conversion overflows
+    if bad is not None:
+        raise ConversionError(f"{path}: token id [{bad[0]}][{bad[1]}] = {json_value(bad[2])} is "
+                              f"outside the model's vocabulary [0, {vocab_size})")
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def _check_batch(tokens, layout, world_size: int, micro_batch_size: int, info) -> None:
@@ -100,6 +97,10 @@ def _run(args) -> int:
 
             info, hf = read_mcore_info(args.load, args.hf_config), None
         info.validate_layout(layout, world_size)
+        from megatron_lora.convert.checks import check_before_build  # config vs checkpoint, memory
+
+        check_before_build(info, layout, torch.bfloat16 if args.bf16 else torch.float32,
+                           load=args.load, hf_config=args.hf_config)
         tokens = read_tokens(args.tokens, info.vocab_size)
         _check_batch(tokens, layout, world_size, args.micro_batch_size, info)
         lora = None

@@ -57,6 +57,10 @@ def register(sub) -> None:
     lo.add_argument("--lora-target-modules", nargs="+",
                     default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     lo.add_argument("--lora-use-rslora", action="store_true")
+    lo.add_argument("--lora-rank-pattern", nargs="+", default=[], type=_rank_pattern,
+                    metavar="REGEX=R", help="rank R instead of --lora-rank for the adapters whose "
+                    "global name REGEX matches (re.search), e.g. router=4 for a router with few "
+                    "experts; one rank per target kind")
     o = p.add_argument_group("output")
     o.add_argument("--save", default=None, help="adapter checkpoints; a run resumes from the "
                    "newest one found here")
@@ -66,6 +70,23 @@ def register(sub) -> None:
     o.add_argument("--log-interval", type=int, default=1)
     o.add_argument("--tensorboard-dir", default=None)
     p.set_defaults(func=_run)
+
+
+def _rank_pattern(text: str):
+    """REGEX=R for --lora-rank-pattern: (regex, positive int R); else exit 2 with usage."""
+    import argparse
+    import re
+
+    regex, sep, rank = text.rpartition("=")
+    if not sep or not regex or not rank.isdigit() or int(rank) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected REGEX=R with R a positive integer, "
+                                         f"e.g. router=4")
+    try:
+        re.compile(regex)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {regex!r} is not a regular expression "
+                                         f"({exc})") from None
+    return regex, int(rank)
 
 
 def _run(args) -> int:

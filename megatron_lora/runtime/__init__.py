@@ -1,6 +1,7 @@
 """The only code in the package that knows how to start megatron-core (and about CUDA)."""
 
 from megatron_lora.runtime.distributed import (
+    accelerator_memory_bytes,
     current_layout,
     default_backend,
     destroy,
@@ -14,6 +15,7 @@ from megatron_lora.runtime.layout import LayoutError, ParallelLayout
 __all__ = [
     "LayoutError",
     "ParallelLayout",
+    "accelerator_memory_bytes",
     "current_layout",
     "default_backend",
     "destroy",

@@ -34,6 +34,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def accelerator_memory_bytes() -> Optional[int]:
+    """Total memory of the GPU this rank will use (its LOCAL_RANK's), or None without CUDA.
+    Usable before init_process_group, for checks that run before anything is allocated."""
+    if not cpu_compat.cuda_usable():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.cuda.get_device_properties(local_rank % torch.cuda.device_count()).total_memory
+
+
 def init_process_group(
     backend: Optional[str] = None, timeout_s: float = 600.0, **init_kwargs
 ) -> None:

@@ -32,10 +32,15 @@ def _setup_checks(args, layout, world_size):
 
             info, hf = read_mcore_info(args.load, args.hf_config), None
         info.validate_layout(layout, world_size)
+        from megatron_lora.convert.checks import check_before_build  # config vs checkpoint, memory
+
+        check_before_build(info, layout, torch.bfloat16 if args.bf16 else torch.float32,
+                           load=args.load, hf_config=args.hf_config)
         lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                           lora_dropout=args.lora_dropout,
                           target_modules=args.lora_target_modules,
-                          use_rslora=args.lora_use_rslora, seed=args.seed)
+                          use_rslora=args.lora_use_rslora, seed=args.seed,
+                          rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []))
         run = RunConfig(micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
                         train_iters=args.train_iters, log_interval=args.log_interval,
@@ -43,6 +48,8 @@ def _setup_checks(args, layout, world_size):
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         tensorboard_dir=args.tensorboard_dir, seed=args.seed)
         problems = run.batch_problems(layout.data_parallel_size(world_size))
+        problems += info.lora_problems(lora, rank_name="--lora-rank", pattern_name=
+                                       "--lora-rank-pattern", targets_name="--lora-target-modules")
         if layout.sp and args.seq_length % layout.tp:
             problems.append(f"--seq-length {args.seq_length} is not divisible by "
                             f"--tensor-model-parallel-size {layout.tp} (sequence parallelism)")

@@ -1,0 +1,180 @@
+"""Checks of a model's sizes before it is built: against a checkpoint, and against memory.
+
+`check_before_build(info, layout, dtype, load=..., hf_config=...)` raises one ConversionError
+listing
+
+- every megatron tensor whose global shape, as config.json implies it, differs from the shape in
+  the torch_dist checkpoint's `.metadata` (read from disk, no collective), naming the config
+  fields that give the differing sizes; a wrong --hf-config otherwise surfaces as a
+  CheckpointException traceback from dist_checkpointing.load after the model is built;
+- a model whose parameters would not fit in this machine's memory (host, and the GPU's on CUDA),
+  with the size in GiB, instead of trying to allocate it.
+
+Every rank reads the same files and computes the same sizes (the largest pipeline stage, not its
+own), so all ranks reach the same verdict before any collective.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.models.mixtral import VOCAB_MULTIPLE, MixtralInfo
+from megatron_lora.runtime import ParallelLayout
+
+Dims = Tuple[Tuple[int, str], ...]  # per axis: (size, the config fields it comes from)
+
+_ATTN, _MLP = "decoder.layers.self_attention.", "decoder.layers.mlp."
+_MAX_LISTED = 4
+
+
+def expected_shapes(info: MixtralInfo) -> Dict[str, Dims]:
+    """Global shape of every megatron tensor of `info`'s model (as mapping.mcore_tensors makes
+    them), each axis labelled with the config.json fields that give it. O(1) in the model size,
+    so absurd sizes cost nothing to check."""
+    s, c = info.shape, info.hf_config
+    h, f, L, E = s.hidden_size, s.ffn_hidden_size, s.num_layers, s.num_experts
+    n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
+    vocab = (s.vocab_size, f"vocab_size={info.vocab_size} (padded to a multiple of "
+                           f"{VOCAB_MULTIPLE}: {s.vocab_size})")
+    hid, ffn = (h, f"hidden_size={h}"), (f, f"intermediate_size={f}")
+    layers, experts = (L, f"num_hidden_layers={L}"), (E, f"num_local_experts={E}")
+    heads = f"num_attention_heads={n}, num_key_value_heads={c.get('num_key_value_heads', n)}"
+    out = {
+        "embedding.word_embeddings.weight": (vocab, hid),
+        _ATTN + "linear_qkv.layer_norm_weight": (layers, hid),
+        _ATTN + "linear_qkv.weight": (layers, ((n + 2 * g) * d, f"{heads}, head_dim={d}"), hid),
+        _ATTN + "linear_proj.weight": (layers, hid, (n * d, f"num_attention_heads={n}, "
+                                                           f"head_dim={d}")),
+        _MLP + "linear_fc1.layer_norm_weight": (layers, hid),
+        _MLP + "router.weight": (layers, experts, hid),
+        _MLP + "experts.experts.linear_fc1.weight": (layers, experts, (2 * f, ffn[1]), hid),
+        _MLP + "experts.experts.linear_fc2.weight": (layers, experts, hid, ffn),
+        "decoder.final_layernorm.weight": (hid,),
+    }
+    if not s.tie_embeddings:
+        out["output_layer.weight"] = (vocab, hid)
+    return out
+
+
+def checkpoint_problems(info: MixtralInfo, directory: str, config_name: str) -> List[str]:
+    """Where the torch_dist checkpoint in `directory` disagrees with `info` (from config
+    `config_name`, as the message should call it): tensors missing, or of another shape."""
+    from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+
+    ckpt = TorchDistCheckpoint(directory)
+    missing, differ, fields = [], [], {}
+    for key, dims in expected_shapes(info).items():
+        want = [size for size, _ in dims]
+        try:
+            got = list(ckpt.shape(key))
+        except ConversionError:
+            missing.append(key)
+            continue
+        if got != want:
+            same_rank = len(got) == len(want)
+            for (size, label), g in zip(dims, got if same_rank else [None] * len(dims)):
+                if size != g:
+                    fields[label] = None
+            differ.append(f"{key} is {want} by the config, {got} in the checkpoint")
+    parts = []
+    if differ:
+        simple = [f for f in fields if "," not in f] or list(fields)  # the likeliest culprit
+        more = f"; {len(differ) - 2} more tensor(s) differ" if len(differ) > 2 else ""
+        parts.append(f"{' and '.join(simple)} disagree{'s' if len(simple) == 1 else ''} with it "
+                     f"({'; '.join(differ[:2])}{more})")
+    if missing:
+        tie = ", but tie_word_embeddings is false" if "output_layer.weight" in missing else ""
+        parts.append(f"the checkpoint has no tensor {', '.join(missing[:_MAX_LISTED])}"
+                     f"{' ...' if len(missing) > _MAX_LISTED else ''}{tie}")
+    if info.shape.tie_embeddings and "output_layer.weight" in ckpt.tensors:
+        parts.append("tie_word_embeddings is true, but the checkpoint has its own "
+                     "output_layer.weight (an untied model)")
+    if not parts:
+        return []
+    return [f"{config_name} does not describe the checkpoint {directory}: {'; '.join(parts)}; "
+            f"pass the config.json of the model this checkpoint was converted from"]
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def parameter_bytes_per_rank(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtype) -> int:
+    """Bytes of model parameters the rank holding the largest pipeline stage allocates: its
+    shards of [Vp/tp, h] embedding and output layer, of attention (TP) and of its E/ep experts
+    (ETP), its whole norms and routers. Same on every rank."""
+    s = info.shape
+    h, f, E = s.hidden_size, s.ffn_hidden_size, s.num_experts or 0
+    n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
+    tp, etp = layout.tp, layout.expert_tp
+    per_layer = (2 * h + _ceil((n + 2 * g) * d * h + h * n * d, tp) + E * h
+                 + _ceil(E, layout.ep) * _ceil(3 * f * h, etp))
+    layers = _ceil(s.num_layers, layout.pp) * per_layer
+    vocab = _ceil(s.vocab_size, tp) * h
+    # Tied embeddings on more than one stage: the last stage holds its own copy of the output.
+    output = vocab if (not s.tie_embeddings or layout.pp > 1) else 0
+    first, last = vocab, h + output
+    stage = layers + first + last if layout.pp == 1 else layers + max(first, last)
+    return stage * torch.tensor([], dtype=dtype).element_size()
+
+
+def gib(n: int) -> str:
+    """n bytes in GiB for a message (Python ints of any size)."""
+    whole = n >> 30
+    if whole < 10 ** 6:
+        return f"{n / 2 ** 30:.1f} GiB"
+    return f"about 10^{len(str(whole)) - 1} GiB"
+
+
+def memory_problems(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtype, *,
+                    local_ranks: Optional[int] = None, host_bytes: Optional[int] = None,
+                    device_bytes: Optional[int] = -1) -> List[str]:
+    """The model does not fit: its parameters exceed this machine's memory (models are built on
+    the CPU, so host memory holds every local rank's shard at once) or the GPU's.
+
+    local_ranks: ranks on this machine (default LOCAL_WORLD_SIZE, else 1); host_bytes: default
+    psutil's total memory; device_bytes: default this rank's GPU's total memory (None: no GPU)."""
+    import psutil
+
+    from megatron_lora import runtime
+
+    per_rank = parameter_bytes_per_rank(info, layout, dtype)
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if host_bytes is None:
+        host_bytes = psutil.virtual_memory().total
+    if device_bytes == -1:
+        device_bytes = runtime.accelerator_memory_bytes()
+    what = (f"the model's parameters ({info.config_fields()}) need {gib(per_rank)} per rank in "
+            f"{str(dtype).replace('torch.', '')} at {layout.describe()}")
+    fix = ("spread the model over more ranks (--tensor-model-parallel-size, "
+           "--pipeline-model-parallel-size, --expert-model-parallel-size) or check these "
+           "config.json sizes")
+    problems = []
+    if per_rank * local_ranks > host_bytes:
+        on_host = f" ({local_ranks} ranks here: {gib(per_rank * local_ranks)})" if local_ranks > 1 else ""
+        problems.append(f"{what}{on_host}, more than this machine's {gib(host_bytes)} of "
+                        f"memory; {fix}")
+    elif device_bytes is not None and per_rank > device_bytes:
+        problems.append(f"{what}, more than the GPU's {gib(device_bytes)}; {fix}")
+    return problems
+
+
+def check_before_build(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtype, *,
+                       load: Optional[str] = None, hf_config: Optional[str] = None) -> None:
+    """Raise ConversionError (every problem, one message) if the model `info` describes does not
+    match the torch_dist checkpoint `load` (when given) or does not fit in memory. hf_config: the
+    --hf-config the user passed (None: the checkpoint's own hf_config.json was used)."""
+    problems = []
+    if load:
+        from megatron_lora.convert.hf_to_mcore import HF_CONFIG
+
+        name = f"--hf-config {hf_config}" if hf_config else os.path.join(load, HF_CONFIG)
+        problems += checkpoint_problems(info, load, name)
+    problems += memory_problems(info, layout, dtype)
+    if problems:
+        raise ConversionError("; ".join(problems))

@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16,<0.17",
+        "megatron-core>=0.16.1,<0.20",
         "safetensors",
         "numpy",
         "psutil",

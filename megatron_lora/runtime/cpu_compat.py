@@ -216,9 +216,12 @@ def install() -> Dict[str, bool]:
     original_all_to_all = token_dispatcher.all_to_all
     ORIGINALS["alltoall_splits"] = original_all_to_all
 
-    def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
+    # Keyword arguments pass through untouched: 0.18 added `use_nccl_stream` (see
+    # runtime/versions.py), and whatever a later release adds must reach megatron as given.
+    def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None, **kwargs):
         return original_all_to_all(
-            group, input_, _as_split_list(output_split_sizes), _as_split_list(input_split_sizes)
+            group, input_, _as_split_list(output_split_sizes), _as_split_list(input_split_sizes),
+            **kwargs,
         )
 
     token_dispatcher.all_to_all = all_to_all

@@ -80,10 +80,11 @@ def build_layer(layout, dispatcher: str, weights, adapter_config: AdapterConfig,
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_lora.models.specs import local_layer_spec
+    from megatron_lora.runtime.versions import spec_submodules
 
     config = layer_config(layout, dispatcher)
-    spec = local_layer_spec(E).submodules.mlp
-    layer = MoELayer(config, submodules=spec.submodules, layer_number=1)
+    spec = spec_submodules(local_layer_spec(E)).mlp
+    layer = MoELayer(config, submodules=spec_submodules(spec), layer_number=1)
     layer.set_layer_number(1)  # the router logs its aux loss under its layer number
     experts = layer.experts
     etp_group = experts.tp_group

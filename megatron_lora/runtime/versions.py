@@ -1,0 +1,40 @@
+"""Every difference between the megatron-core releases this package supports (0.16.1 - 0.19.x).
+
+Nothing outside this module (and the CPU compatibility layer, which adapts megatron's CUDA
+assumptions) asks which release is installed. Each difference is detected from the installed
+code itself (attributes, signatures, what a checkpoint holds), never from the version string,
+which is kept only for messages. The table below is the map; each entry names the release that
+introduced the change and the megatron-core call site.
+
+| difference | since | megatron-core call site | handled by |
+|---|---|---|---|
+| layer specs hold `functools.partial(Module, submodules=...)` where earlier releases held `ModuleSpec(module=..., submodules=...)` | 0.19.0 | `models/gpt/gpt_layer_specs.py` (`get_gpt_layer_local_spec`, MoE submodules) | `spec_submodules`, `spec_module` |
+| `token_dispatcher.all_to_all(..., use_nccl_stream=...)` keyword | 0.18.0 | `transformer/moe/token_dispatcher.py` -> `tensor_parallel/mappings.py:all_to_all` | `cpu_compat` passes keywords through |
+| common (non-tensor) checkpoint state stored as a `common_state` ShardedObject inside the torch_dist files, no `common.pt` | 0.19.0 | `dist_checkpointing/serialization.py` (`save`, `load_common_state_dict`) | `safe_load.load_common_state` reads either form |
+| `dist_checkpointing.load` reads the common state itself through torch's plain `FileSystemReader` (no `common_strategy`) | 0.19.0 | `dist_checkpointing/serialization.py:load_common_state_dict` | `safe_load.dist_load` checks every file first |
+| legacy `GroupedMLP` (grouped_gemm package) removed; `moe_grouped_gemm=True` means TE's `TEGroupedMLP` | 0.17.0 | `transformer/moe/experts.py` | not used: SequentialMLP only |
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import megatron.core
+
+MCORE_VERSION: str = getattr(megatron.core, "__version__", "unknown")
+
+
+def spec_module(spec: Any) -> Any:
+    """The module class a layer spec builds: `ModuleSpec.module` (<= 0.18) or the class wrapped
+    by a `functools.partial` (0.19)."""
+    if isinstance(spec, functools.partial):
+        return spec.func
+    return getattr(spec, "module", spec)
+
+
+def spec_submodules(spec: Any) -> Any:
+    """The `submodules` a layer spec passes to its module, whichever form the spec has."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return getattr(spec, "submodules", None)

@@ -12,7 +12,6 @@ fused QKV chunk cost one read.
 from __future__ import annotations
 
 import io
-import json
 import os
 from typing import Dict, List, Sequence, Tuple
 
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.regions import assemble
+from megatron_lora.jsonfile import read_json
 from megatron_lora.runtime.safe_load import (
     CheckpointFileError,
     load_common_state,
@@ -64,11 +64,9 @@ class TorchDistCheckpoint:
 
     def __init__(self, directory: str):
         self.directory = directory
-        try:
-            with open(os.path.join(directory, "metadata.json")) as f:
-                backend = json.load(f).get("sharded_backend")
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConversionError(f"{directory}: not a megatron-core checkpoint ({exc})") from None
+        meta = read_json(os.path.join(directory, "metadata.json"), ConversionError,
+                         what="not a megatron-core checkpoint")
+        backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
         if backend != "torch_dist":
             raise ConversionError(f"{directory}/metadata.json: sharded_backend={backend!r}, "
                                   f"only 'torch_dist' is supported")

@@ -19,6 +19,7 @@ from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import mcore_tensors
 from megatron_lora.models.mixtral import MixtralInfo, read_hf_config
 from megatron_lora.runtime import ParallelLayout
+from tests.convert.tiny import TINY_CONFIG
 from tests.harness import multirank
 
 
@@ -123,3 +124,20 @@ def test_check_before_build_reports_both(tiny_mixtral):
     assert msg.startswith(f"--hf-config /x/config.json does not describe the checkpoint "
                           f"{tiny_mixtral['mcore']}: vocab_size=100000000000")
     assert "GiB per rank" in msg
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "file not found (not a megatron-core checkpoint)"),
+    (b'{"sharded_backend": "torch_dist"\xff}', "not UTF-8 (byte 0xff at column 33)"),
+    (b"[" * 100000, "JSON nested too deeply"),
+    (b"[]", "sharded_backend=None, only 'torch_dist' is supported"),
+])
+def test_unreadable_checkpoint_metadata_json_is_named_once(tmp_path, content, message):
+    path = tmp_path / "metadata.json"
+    if content is not None:
+        path.write_bytes(content)
+    info = MixtralInfo.from_hf_config(dict(TINY_CONFIG, model_type="mixtral"))
+    with pytest.raises(ConversionError) as err:
+        check_before_build(info, ParallelLayout(), torch.float32, load=str(tmp_path))
+    assert str(err.value).startswith(f"{path}: {message}"), str(err.value)
+    assert str(err.value).count(str(tmp_path)) == 1

@@ -1,7 +1,8 @@
 """Per-expert LoRA on megatron-core SequentialMLP experts (one adapter pair per global expert).
 
     adapters = wrap_experts(layer.mlp.experts, AdapterConfig(rank=8, alpha=16),
-                            prefix="decoder.layers.3.mlp.experts", seed_for=seed_for)
+                            prefix="decoder.layers.3.mlp.experts", seed_for=seed_for,
+                            moe_layer=layer.mlp)
 
 Each local expert's `linear_fc1` / `linear_fc2` is replaced in place by a `LoraAdapter`. The
 adapter of global expert e (e = ep_rank * num_local_experts + local index) is named

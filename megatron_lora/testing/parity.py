@@ -53,6 +53,20 @@ def gathered_embedding_grad(model: torch.nn.Module) -> Optional[torch.Tensor]:
     return torch.cat(parts, dim=0)
 
 
+def assert_held_by(value: object, expected: int, what: str = "the result") -> bool:
+    """Collective: assert that exactly `expected` ranks hold `value` (not None); True on them.
+
+    A check written as `if value is not None: assert ...` passes without asserting anything
+    when no rank holds the value (a wrong stage or writer-rank test); counting the holders over
+    the world first closes that hole. Every rank raises alike (the count is all-reduced)."""
+    held = torch.tensor([0 if value is None else 1], dtype=torch.int64)
+    dist.all_reduce(held)
+    if int(held.item()) != expected:
+        raise AssertionError(f"{what} was returned on {int(held.item())} of "
+                             f"{dist.get_world_size()} ranks, expected on {expected}")
+    return value is not None
+
+
 def loss_and_embedding_grad(model, shape: ModelShape, spec: ParityBatch = ParityBatch()):
     """Forward+backward of the parity batch; (global mean loss, gathered embedding grad or None)."""
     tokens, labels = make_batch(shape, spec)

@@ -35,6 +35,7 @@ def _train(hf, save, out, tokens, layout=TRAIN_LAYOUT):
     from megatron_lora.convert.logits import forward_logits
     from megatron_lora.lora.model import apply_lora
     from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.testing.parity import assert_held_by
     from megatron_lora.training.loop import RunConfig, train
     from megatron_lora.training.optimizer import OptimConfig
 
@@ -48,7 +49,7 @@ def _train(hf, save, out, tokens, layout=TRAIN_LAYOUT):
           layout_name=layout.describe(), run_metadata={"lora": S.LORA.to_dict()})
     toks = torch.tensor(json.load(open(tokens)))
     logits = forward_logits(model, toks, info.vocab_size)
-    if logits is not None:
+    if assert_held_by(logits, 1, "the trained model's logits"):
         save_file({"logits": logits.contiguous()}, out)
 
 

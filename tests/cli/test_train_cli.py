@@ -44,15 +44,20 @@ def _losses(text):
     return {int(i): l for i, l in re.findall(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)", text)}
 
 
+# LoRA dropout draws random numbers at every step, so the resumed job matches only if the
+# checkpoint restored every rank's RNG state.
+DROPOUT_EP2 = ("--expert-model-parallel-size", "2", "--lora-dropout", "0.1")
+
+
 def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
-    straight = subprocess.run(_cmd(tiny, str(tmp_path / "a"), 6, "--expert-model-parallel-size", "2"),
+    straight = subprocess.run(_cmd(tiny, str(tmp_path / "a"), 6, *DROPOUT_EP2),
                               capture_output=True, text=True, env=_env(), timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
     expected = _losses(straight.stdout)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
     save = str(tmp_path / "b")
-    proc = subprocess.Popen(_cmd(tiny, save, 6, "--expert-model-parallel-size", "2",
+    proc = subprocess.Popen(_cmd(tiny, save, 6, *DROPOUT_EP2,
                                  "--save-interval", "3"),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=_env(), start_new_session=True)
@@ -69,7 +74,7 @@ def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
     psutil.wait_procs(members, timeout=10)
     assert open(tracker).read().strip() == "3"
 
-    resumed = subprocess.run(_cmd(tiny, save, 6, "--expert-model-parallel-size", "2",
+    resumed = subprocess.run(_cmd(tiny, save, 6, *DROPOUT_EP2,
                                   "--save-interval", "3"),
                              capture_output=True, text=True, env=_env(), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -117,3 +122,18 @@ def test_resume_with_another_lora_rank_is_refused(tiny, tmp_path):
     cmd[cmd.index("--lora-rank") + 1] = "8"
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=200)
     assert out.returncode == 2 and "was written with" in out.stderr and "'r': 4" in out.stderr
+
+
+def test_a_tracker_naming_a_missing_iteration_is_a_clear_error(tiny, tmp_path):
+    save = tmp_path / "run"
+    (save / "iter_0000003").mkdir(parents=True)
+    tracker = save / "latest_checkpointed_iteration.txt"
+    tracker.write_text("6\n")  # iter_0000006 was deleted, or the folder copied without it
+    out = subprocess.run(_cmd(tiny, str(save), 2, ranks=1), capture_output=True, text=True,
+                         env=_env(), timeout=200)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert f"{tracker} names iteration 6 but {save / 'iter_0000006'} does not exist" in out.stderr
+    assert "iterations [3]: write one of them" in out.stderr  # what to do
+    assert tracker.read_text() == "6\n" and sorted(os.listdir(save)) == [
+        "iter_0000003", "latest_checkpointed_iteration.txt"]  # nothing touched

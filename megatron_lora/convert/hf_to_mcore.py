@@ -103,10 +103,14 @@ def write_sidecar(directory: str, info: MixtralInfo, dtype: torch.dtype) -> None
 
 def read_mcore_info(mcore_dir: str, hf_config: str = None) -> MixtralInfo:
     """MixtralInfo of a megatron checkpoint: from `hf_config` if given, else the checkpoint's own
-    hf_config.json (written by hf-to-mcore)."""
+    hf_config.json (written by hf-to-mcore). Also checks that the checkpoint's metadata and common
+    state are plain data (ConversionError naming the file otherwise)."""
     if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
         raise ConversionError(f"{mcore_dir}: not a megatron-core distributed checkpoint "
                               f"(no metadata.json)")
+    from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+
+    TorchDistCheckpoint(mcore_dir)  # its files are plain data (read safely), before any collective
     path = hf_config or os.path.join(mcore_dir, HF_CONFIG)
     if not os.path.exists(path):
         raise ConversionError(

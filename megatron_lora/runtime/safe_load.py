@@ -44,8 +44,11 @@ class CheckpointFileError(ValueError):
     """A checkpoint file that is missing, corrupt, or holds something other than plain data."""
 
     def __init__(self, path: str, problem: str):
-        self.path = path
+        self.path, self.problem = path, problem
         super().__init__(f"{path}: {problem}")
+
+    def __reduce__(self):  # torch DCP pickles a rank's exception to every rank
+        return type(self), (self.path, self.problem)
 
 
 def _allowed_globals() -> Dict[Tuple[str, str], Any]:
@@ -186,6 +189,21 @@ class SafeFileSystemReader(FileSystemReader):
         super().__init__(path)
         self._safe_metadata = metadata
 
+    def _slice_file(self, file, sinfo):
+        self._reading = sinfo.relative_path  # which data file a failure is about
+        return super()._slice_file(file, sinfo)
+
+    def read_data(self, *args, **kwargs):
+        self._reading = None
+        try:
+            return super().read_data(*args, **kwargs)
+        except Exception as exc:
+            where = os.path.join(str(self.path), self._reading) if self._reading else str(self.path)
+            if isinstance(exc, pickle.UnpicklingError):
+                raise CheckpointFileError(where, f"a stored tensor is not plain data "
+                                                 f"({_short(exc)}); nothing in it was run") from None
+            raise CheckpointFileError(where, f"cannot read a stored tensor ({_short(exc)})") from None
+
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
         if rank is not None:
@@ -290,4 +308,37 @@ def dist_load(sharded_state_dict, directory: str, **kwargs):
     for key, strategy in _strategies().items():
         if key in accepted:
             kwargs.setdefault(key, strategy)
-    return dist_checkpointing.load(sharded_state_dict, directory, **kwargs)
+    try:
+        return dist_checkpointing.load(sharded_state_dict, directory, **kwargs)
+    except _load_errors() as exc:
+        raise _as_file_error(exc, str(directory)) from None
+
+
+def _load_errors() -> tuple:
+    """torch DCP's CheckpointException (raised on every rank alike: a chunk that is not a plain
+    tensor, a missing data file) and megatron-core's CheckpointingException, where present."""
+    found = []
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        found.append(CheckpointException)
+    except ImportError:
+        pass
+    try:
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+
+        found.append(CheckpointingException)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def _as_file_error(exc: Exception, directory: str) -> CheckpointFileError:
+    failures = getattr(exc, "failures", None)  # {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, CheckpointFileError):
+            return inner
+        return CheckpointFileError(directory, f"cannot be loaded (rank {rank}: {_short(inner)})")
+    return CheckpointFileError(directory, f"cannot be loaded ({_short(exc)})")

@@ -11,7 +11,9 @@ Layout on disk:
 A checkpoint is written into `iter_XXXXXXX.tmp`, renamed into place when every rank has finished,
 and only then is the tracker replaced (write to a temporary file + os.replace). A crash at any
 point leaves the previous checkpoint and the tracker pointing at it; `.tmp` folders are never
-loaded. Everything is loaded with torch.load(weights_only=True): no pickled code runs.
+loaded. Every file is read as plain data through `runtime.safe_load` (the `.metadata` pickle with
+an allow-list of exact classes, `common.pt`, RNG and tensor files with weights_only=True), and
+checked on every rank before the first collective of a load.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_lora.runtime.safe_load import (
+    CheckpointFileError,
+    check_checkpoint,
+    dist_load,
+    load_common_state,
+    safe_torch_load,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -271,24 +281,70 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, layout_name: 
     if iteration is None:
         raise FileNotFoundError(f"no checkpoint in {root} (no {TRACKER})")
     directory = iteration_dir(root, iteration)
-    common = dist_checkpointing.load_common_state_dict(directory)["common"]
+    rng_path = os.path.join(directory, "rng", f"rank_{dist.get_rank():05d}.pt")
+    problem, rng = None, None
+    try:  # every file this rank reads, read and checked before the first collective
+        saved = _common_state(directory, check_checkpoint(directory)[1])
+        common = saved["common"]
+        same_layout = (common.get("world_size") == dist.get_world_size()
+                       and common.get("layout") == layout_name)
+        if same_layout and os.path.isfile(rng_path):
+            rng = _rng_file(rng_path)
+    except CheckpointFileError as exc:
+        problem = exc
+    _agree(problem, directory)
     model_sd = trainable_sharded_state_dict(model_chunks)
     request = dict(model_sd)
     request["optimizer"] = optimizer_sharded_state(model_sd["model0"], optimizer, for_loading=True)
-    loaded = dist_checkpointing.load(request, directory)
+    loaded = dist_load(request, directory)
     for i, chunk in enumerate(model_chunks):
         module = getattr(chunk, "module", chunk)
         missing, unexpected = module.load_state_dict(loaded[f"model{i}"], strict=False)
         if unexpected:
             raise RuntimeError(f"{directory}: unexpected keys {unexpected[:5]}")
     _set_optimizer_state(model_sd["model0"], optimizer, loaded["optimizer"], iteration)
-    scheduler.load_state_dict(dist_checkpointing.load_common_state_dict(directory)["scheduler"])
-    rng_path = os.path.join(directory, "rng", f"rank_{dist.get_rank():05d}.pt")
-    same_layout = (common.get("world_size") == dist.get_world_size()
-                   and common.get("layout") == layout_name)
-    if same_layout and os.path.isfile(rng_path):
-        _set_rng_state(torch.load(rng_path, weights_only=True))
+    scheduler.load_state_dict(saved["scheduler"])
+    if rng is not None:
+        _set_rng_state(rng)
     return common
+
+
+def _common_state(directory: str, saved: Optional[Dict]) -> Dict:
+    """common.pt of a training checkpoint, checked: {"common": dict, "scheduler": dict, ...}."""
+    path = os.path.join(directory, "common.pt")
+    if saved is None:
+        raise CheckpointFileError(path, "missing: not a complete training checkpoint")
+    for key in ("common", "scheduler"):
+        if not isinstance(saved.get(key), dict):
+            raise CheckpointFileError(path, f"has no {key!r} dict: not a training checkpoint")
+    return saved
+
+
+_RNG_KEYS = ("torch", "python", "python_pos", "numpy", "numpy_pos")
+
+
+def _rng_file(path: str) -> Dict[str, torch.Tensor]:
+    """A per-rank RNG file, read as tensors only and checked to hold every state."""
+    state = safe_torch_load(path)
+    if (not isinstance(state, dict) or not all(k in state for k in _RNG_KEYS)
+            or not all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise CheckpointFileError(path, f"not an RNG state file (a dict of tensors with keys "
+                                        f"{list(_RNG_KEYS)})")
+    return state
+
+
+def _agree(problem: Optional[CheckpointFileError], directory: str) -> None:
+    """Raise on every rank when any rank found a bad file (a per-rank RNG file can be bad on one
+    rank only): one all-reduce that every rank reaches, so no rank is left waiting."""
+    from megatron_lora.runtime import device
+
+    flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if problem is not None:
+        raise problem
+    if int(flag.item()):
+        raise CheckpointFileError(directory, "another rank could not read its checkpoint files "
+                                             "(its error names the file)")
 
 
 def resolve(path: str) -> str:
@@ -306,7 +362,11 @@ def read_run_metadata(path: str) -> Dict:
     """The plain-data `common` section of an adapter checkpoint (no model needed, no collective):
     iteration, consumed_samples, layout, run_metadata (e.g. {"lora": LoraConfig.to_dict()})."""
     directory = resolve(path)
-    return torch.load(os.path.join(directory, "common.pt"), weights_only=True)["common"]
+    file = os.path.join(directory, "common.pt")
+    saved = load_common_state(directory)  # common.pt, or 0.19's in-checkpoint common_state
+    if not isinstance(saved, dict) or not isinstance(saved.get("common"), dict):
+        raise CheckpointFileError(file, "has no 'common' dict: not an adapter checkpoint")
+    return saved["common"]
 
 
 def load_adapter_weights(model_chunks, path: str) -> Dict:
@@ -314,7 +374,7 @@ def load_adapter_weights(model_chunks, path: str) -> Dict:
     its adapters (apply_lora with the checkpoint's config); any layout. Collective."""
     directory = resolve(path)
     model_sd = trainable_sharded_state_dict(model_chunks)
-    loaded = dist_checkpointing.load(dict(model_sd), directory)
+    loaded = dist_load(dict(model_sd), directory)
     for i, chunk in enumerate(model_chunks):
         module = getattr(chunk, "module", chunk)
         _, unexpected = module.load_state_dict(loaded[f"model{i}"], strict=False)

@@ -59,14 +59,19 @@ def _outputs_absent(tmp_path):
     return not (tmp_path / "out.safetensors").exists() and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("command", ["logits", "train"])
-@pytest.mark.parametrize("change,needles", [
-    (dict(hidden_size=128), ["hidden_size=128 disagrees with it (embedding.word_embeddings.weight "
-                             "is [384, 128] by the config, [384, 64] in the checkpoint"]),
-    # Would be 2 x 10^11 x 64 fp32 (over 40 TiB) to allocate: refused with the size.
-    (dict(vocab_size=10 ** 11), ["vocab_size=100000000000 (padded", "GiB per rank in float32 at "
-                                 "TP1, more than this machine's"]),
-    (dict(vocab_size=1e9), ["field 'vocab_size' must be a positive integer, got 1000000000.0"]),
+HIDDEN = ["hidden_size=128 disagrees with it (embedding.word_embeddings.weight is [384, 128] by "
+          "the config, [384, 64] in the checkpoint"]
+# Would be 2 x 10^11 x 64 fp32 (over 40 TiB) to allocate: refused with the size.
+HUGE = ["vocab_size=100000000000 (padded", "GiB per rank in float32 at TP1, more than this "
+        "machine's"]
+
+
+@pytest.mark.parametrize("command,change,needles", [
+    ("logits", dict(hidden_size=128), HIDDEN),
+    ("train", dict(hidden_size=128), HIDDEN),
+    ("logits", dict(vocab_size=10 ** 11), HUGE),
+    ("train", dict(vocab_size=1e9), ["field 'vocab_size' must be a positive integer, got "
+                                     "1000000000.0"]),
 ])
 def test_hf_config_that_does_not_fit_the_checkpoint(tiny, tmp_path, command, change, needles):
     config = _config(tiny, tmp_path, **change)
@@ -99,19 +104,27 @@ def _router_cmd(tiny, tmp_path, *extra):
 
 
 def test_router_rank_too_large_fails_alone_on_each_rank_of_two(tiny, tmp_path):
-    """Rank 0 and rank 1 of a 2-rank job each run alone: both exit 2 with the message. Had either
-    reached a collective (init_process_group included) it would wait for the absent other rank
-    until the timeout, so this shows the check runs on every rank before any collective."""
+    """Rank 0 and rank 1 of a 2-rank job each run alone (each told a different rendezvous port,
+    so they can never meet): both exit 2 with the message. Had either reached a collective
+    (init_process_group included) it would wait for the absent other rank until the timeout, so
+    this shows the check runs on every rank before any collective."""
     procs = []
-    for rank in (0, 1):
-        env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(PORT))
-        procs.append(subprocess.Popen(_router_cmd(tiny, tmp_path), env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 2, err[-3000:]
-        assert err.strip() == f"megatron-lora train: error: {ROUTER_RANK}", err[-3000:]
+    try:
+        for rank in (0, 1):
+            env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(PORT + 2 + rank))
+            procs.append(subprocess.Popen(_router_cmd(tiny, tmp_path), env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        for proc in procs:
+            _, err = proc.communicate(timeout=240)
+            assert proc.returncode == 2, err[-3000:]
+            assert err.strip() == f"megatron-lora train: error: {ROUTER_RANK}", err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert _outputs_absent(tmp_path)
 
 
@@ -144,8 +157,16 @@ def test_router_gets_its_own_rank_with_lora_rank_pattern(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["router", "router=0", "router=x", "(=2"])
-def test_bad_lora_rank_pattern_is_a_usage_error(tiny, tmp_path, value):
-    out = subprocess.run(_router_cmd(tiny, tmp_path, "--lora-rank-pattern", value),
-                         capture_output=True, text=True, env=_env(), timeout=300)
-    assert out.returncode == 2 and "--lora-rank-pattern" in out.stderr, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
+def test_bad_lora_rank_pattern_is_a_usage_error(value, capsys):
+    from megatron_lora.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["train", "--load-hf", "x", "--data-path", "d", "--tokenizer",
+                                   "byte", "--seq-length", "8", "--global-batch-size", "1",
+                                   "--train-iters", "1", "--lora-rank-pattern", value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --lora-rank-pattern" in err and value in err, err
+    assert build_parser().parse_args([
+        "train", "--load-hf", "x", "--data-path", "d", "--tokenizer", "byte", "--seq-length", "8",
+        "--global-batch-size", "1", "--train-iters", "1", "--lora-rank-pattern", "router=4",
+        r"layers\.0\.=2"]).lora_rank_pattern == [("router", 4), (r"layers\.0\.", 2)]

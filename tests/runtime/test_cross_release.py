@@ -1,0 +1,125 @@
+"""Checkpoints across megatron-core releases: a base and an adapter checkpoint written under one
+supported release load under another and give the same logits, and a run resumes there.
+
+The other release lives in the repository's other environment (`.venv` holds the default release,
+`make test MCORE=0.19.2` builds `.venv-mcore0.19.2`); the test runs the commands with both
+interpreters. CI builds both environments, so this runs there in the second suite run.
+"""
+
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT_S = 600
+
+
+def _mcore_version(python: str) -> str:
+    out = subprocess.run([python, "-c", "import importlib.metadata as m; "
+                          "print(m.version('megatron-core'))"],
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _other_environment():
+    """(python, release) of a repository environment with another megatron-core release."""
+    ours = _mcore_version(sys.executable)
+    here = os.path.realpath(sys.prefix)
+    for venv in [os.path.join(ROOT, ".venv")] + sorted(glob.glob(os.path.join(ROOT, ".venv-mcore*"))):
+        python = os.path.join(venv, "bin", "python")
+        if (os.path.realpath(venv) == here or not os.path.isfile(os.path.join(venv, ".installed"))
+                or not os.access(python, os.X_OK)):
+            continue
+        release = _mcore_version(python)
+        if release and release != ours:
+            return python, release
+    return None, None
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _run(python, *args, cwd=None):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
+    proc = subprocess.run([python, "-m", "megatron_lora", *args], capture_output=True, text=True,
+                          env=env, timeout=TIMEOUT_S, cwd=cwd or ROOT)
+    assert proc.returncode == 0, f"{python} {' '.join(args)}:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _train(python, tiny, base, save, iters):
+    return _run(python, "train", "--load", base, "--hf-config", os.path.join(tiny, "hf"),
+                "--data-path", os.path.join(tiny, "data.jsonl"), "--tokenizer", "byte",
+                "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
+                "--train-iters", str(iters), "--lr", "5e-3", "--lora-rank", "4",
+                "--lora-alpha", "8", "--lora-dropout", "0.1", "--save", save,
+                "--log-interval", "1", "--seed", "3",
+                "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _logits(python, base, adapter, tokens, out):
+    _run(python, "logits", "--load", base, "--adapter", adapter, "--tokens", tokens, "--out", out)
+    return load_file(out)["logits"]
+
+
+@pytest.fixture(scope="module")
+def environments():
+    other, release = _other_environment()
+    if other is None:
+        pytest.skip("needs a second environment with another megatron-core release "
+                    "(`make test MCORE=0.19.2` builds .venv-mcore0.19.2, and CI runs both)")
+    return {"ours": (sys.executable, _mcore_version(sys.executable)), "other": (other, release)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cross_release")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tiny_example.py"),
+                    "--out", str(out), "--samples", "32"], check=True, capture_output=True)
+    with open(out / "tokens.json", "w") as f:
+        json.dump([[1, 5, 9, 77, 120, 33, 2, 8], [4, 4, 200, 17, 6, 90, 11, 3]], f)
+    return str(out)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("direction", ["other_to_ours", "ours_to_other"])
+def test_checkpoints_load_across_releases(environments, tiny, tmp_path, direction):
+    writer, reader = ((environments["other"], environments["ours"]) if direction == "other_to_ours"
+                      else (environments["ours"], environments["other"]))
+    (w_python, w_release), (r_python, r_release) = writer, reader
+    base, run = str(tmp_path / "base"), str(tmp_path / "run")
+    tokens = os.path.join(tiny, "tokens.json")
+    _run(w_python, "convert", "hf-to-mcore", "--hf-dir", os.path.join(tiny, "hf"), "--save", base,
+         "--no-progress")
+    _train(w_python, tiny, base, run, iters=2)
+    written = _logits(w_python, base, run, tokens, str(tmp_path / "written.safetensors"))
+    read = _logits(r_python, base, run, tokens, str(tmp_path / "read.safetensors"))
+    assert written.shape == read.shape
+    diff = (written - read).abs().max().item()
+    assert diff <= 1e-5, f"logits of a {w_release} checkpoint differ under {r_release} by {diff}"
+    # The adapter changed the model: the comparison above is not of two base models.
+    plain = _run(r_python, "logits", "--load", base, "--tokens", tokens,
+                 "--out", str(tmp_path / "plain.safetensors"))
+    assert plain.returncode == 0
+    assert (load_file(str(tmp_path / "plain.safetensors"))["logits"] - read).abs().max() > 1e-4
+
+    # The reading release resumes the run (optimizer state, scheduler, RNG) and trains on.
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(run, resumed)
+    proc = _train(r_python, tiny, base, resumed, iters=3)
+    assert re.search(r"iteration\s+3/\s*3\b", proc.stdout), proc.stdout[-2000:]
+    assert not re.search(r"iteration\s+[12]/", proc.stdout), "the resumed run started over"
+    assert torch.isfinite(read).all()

@@ -23,6 +23,7 @@ from megatron_lora.convert.regions import assemble
 from megatron_lora.jsonfile import read_json
 from megatron_lora.runtime.safe_load import (
     CheckpointFileError,
+    check_checkpoint,
     load_common_state,
     load_dcp_metadata,
     safe_torch_load,
@@ -71,9 +72,9 @@ class TorchDistCheckpoint:
             raise ConversionError(f"{directory}/metadata.json: sharded_backend={backend!r}, "
                                   f"only 'torch_dist' is supported")
         try:
-            md = load_dcp_metadata(directory)  # restricted unpickler, data files confined
-            common = os.path.join(directory, "common.pt")  # megatron-core >= 0.17 may not write it
-            self.common = load_common_state(directory) if os.path.lexists(common) else None
+            # restricted unpickler, data files confined; the common state in either form
+            # (common.pt, or megatron-core 0.19's in-checkpoint object), None where neither
+            md, self.common = check_checkpoint(directory)
         except CheckpointFileError as exc:
             raise ConversionError(str(exc)) from None
         self.tensors: Dict[str, dcp_metadata.TensorStorageMetadata] = {

@@ -15,8 +15,8 @@ per-rank `rng/rank_*.pt` (torch.save archives). Here:
   strategies whose every read goes through the two functions above (the tensor chunks themselves
   are read by torch with weights_only=True already).
 
-Anything else raises `CheckpointFileError` (a ValueError) naming the file; nothing found in a file
-is ever called. Works with the megatron-core versions this package supports: optional hooks are
+Anything else raises `CheckpointFileError` (a ValueError) naming the file; the only callables a
+file can reach are the allowed constructors (dataclasses, enums, torch.Size, paths, containers). Works with the megatron-core versions this package supports: optional hooks are
 feature-detected.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import os
 import pickle
 import re
@@ -172,12 +173,40 @@ def safe_torch_load(path_or_file, name: Optional[str] = None):
                                         f"in it was run") from None
 
 
-def load_common_state(directory: str) -> Dict:
-    """`common.pt` of a megatron-core checkpoint (plain data), read safely."""
-    common = safe_torch_load(os.path.join(str(directory), COMMON_NAME))
+COMMON_OBJECT = "common_state/shard_0_1"  # megatron-core 0.19+: ShardedObject("common_state")
+
+
+def load_common_state(directory: str, metadata=None) -> Dict:
+    """The common (non-tensor) state of a megatron-core checkpoint, plain data, read safely.
+
+    Either form (see runtime/versions.py): `common.pt` (written by megatron-core <= 0.18), or the
+    `common_state` object stored inside the torch_dist data files (0.19+), read from its byte
+    range with weights_only=True. So a checkpoint of either release reads under either release.
+    """
+    legacy = os.path.join(str(directory), COMMON_NAME)
+    if os.path.lexists(legacy):
+        common, where = safe_torch_load(legacy), legacy
+    else:
+        md = metadata if metadata is not None else load_dcp_metadata(directory)
+        info = next((s for i, s in (md.storage_data or {}).items()
+                     if getattr(i, "fqn", None) == COMMON_OBJECT), None)
+        if info is None:
+            raise CheckpointFileError(legacy, "missing, and the checkpoint stores no "
+                                              f"{COMMON_OBJECT!r} object either")
+        where = confined_path(str(directory), info.relative_path,
+                              os.path.join(str(directory), METADATA_NAME), COMMON_OBJECT)
+        with open(where, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        if len(blob) != info.length:
+            raise CheckpointFileError(where, f"truncated: {COMMON_OBJECT} needs {info.length} "
+                                             f"bytes at {info.offset}")
+        common = safe_torch_load(io.BytesIO(blob), f"{where} ({COMMON_OBJECT})")
+        # megatron stores the object's data as a one-element list (its load takes [0]).
+        if isinstance(common, (list, tuple)) and len(common) == 1:
+            common = common[0]
     if not isinstance(common, dict):
-        raise CheckpointFileError(os.path.join(str(directory), COMMON_NAME),
-                                  f"holds a {type(common).__name__}, expected a dict")
+        raise CheckpointFileError(where, f"holds a {type(common).__name__}, expected a dict")
     return common
 
 
@@ -293,8 +322,9 @@ def check_checkpoint(directory: str) -> Tuple[Any, Optional[Dict]]:
     both read safely. Local (no collective): every rank that calls it on the same folder fails
     alike, before any collective."""
     md = load_dcp_metadata(directory)
-    has_common = os.path.lexists(os.path.join(str(directory), COMMON_NAME))
-    return md, (load_common_state(directory) if has_common else None)
+    has_common = os.path.lexists(os.path.join(str(directory), COMMON_NAME)) or any(
+        getattr(i, "fqn", None) == COMMON_OBJECT for i in (md.storage_data or {}))
+    return md, (load_common_state(directory, md) if has_common else None)
 
 
 def dist_load(sharded_state_dict, directory: str, **kwargs):

@@ -16,8 +16,9 @@ per-rank `rng/rank_*.pt` (torch.save archives). Here:
   are read by torch with weights_only=True already).
 
 Anything else raises `CheckpointFileError` (a ValueError) naming the file; the only callables a
-file can reach are the allowed constructors (dataclasses, enums, torch.Size, paths, containers). Works with the megatron-core versions this package supports: optional hooks are
-feature-detected.
+file can reach are the allowed ones (dataclasses, enums, torch.Size, paths, containers, torch's
+layout-by-name lookup). Works with the megatron-core versions this package supports: optional
+hooks are feature-detected.
 """
 
 from __future__ import annotations

@@ -134,14 +134,18 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=None) -> GPTModel:
+def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=None,
+                    attention_backend: Optional[str] = None) -> GPTModel:
     """This pipeline stage's GPTModel with RoPE; `block_spec` defaults to the local (CPU-capable)
-    spec of megatron_lora.models.specs."""
+    spec of megatron_lora.models.specs with the core attention `attention_backend` names
+    (Megatron-LM's names; None keeps megatron's DotProductAttention; see models.specs)."""
     from megatron_lora.models.specs import local_block_spec
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if block_spec is None:
-        block_spec = local_block_spec(config, pp_rank=pp_rank)
+        block_spec = local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend)
+    elif attention_backend is not None:
+        raise ValueError("build_gpt_model: pass attention_backend or block_spec, not both")
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec,

@@ -253,19 +253,30 @@ def te_available() -> bool:
     return True
 
 
-def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = None):
+def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = None,
+                       attention_backend: Optional[str] = None):
     """TransformerBlock spec for this pipeline stage.
 
     use_te: True requires Transformer Engine (TE linears fused with RMSNorm, TENorm final norm,
     SequentialMLP experts of TE linears); False is the local spec; None picks TE when it is
     importable and CUDA is usable.
+    attention_backend: Megatron-LM's `--attention-backend` name for the local spec's core
+    attention (models.specs); None keeps megatron's DotProductAttention. The TE spec always uses
+    TEDotProductAttention (None or "auto" only).
     """
-    from megatron_lora.models.specs import local_block_spec
+    from megatron_lora.models.specs import core_attention_class, local_block_spec
 
+    core_attention_class(attention_backend)  # an unknown or unsupported name fails first
     if use_te is None:
         use_te = te_available() and torch.cuda.is_available()
     if not use_te:
-        return local_block_spec(config, pp_rank=pp_rank)
+        return local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend)
+    if attention_backend not in (None, "auto"):
+        raise ValueError(
+            f"attention backend {attention_backend!r} selects the local spec's core attention; "
+            "the Transformer Engine spec uses TEDotProductAttention (pass use_te=False or "
+            "attention backend 'auto')"
+        )
     if not te_available():
         raise RuntimeError("use_te=True but transformer_engine is not importable")
     from megatron.core.extensions.transformer_engine import TENorm
@@ -299,8 +310,11 @@ def mixtral_config(info: MixtralInfo, layout: ParallelLayout, *, dtype: torch.dt
     return transformer_config(info.shape, layout, dtype=dtype, dispatcher=dispatcher, **overrides)
 
 
-def build_mixtral_model(info: MixtralInfo, config, use_te: Optional[bool] = None):
+def build_mixtral_model(info: MixtralInfo, config, use_te: Optional[bool] = None,
+                        attention_backend: Optional[str] = None):
     """This pipeline stage's GPTModel for `info` (megatron parallel state must be initialised).
+
+    attention_backend: see mixtral_block_spec (None keeps megatron's DotProductAttention).
 
     The model's vocabulary is the padded one ([Vp/tp, h] embedding and output shards per TP rank);
     its logits are [b, s, Vp/tp] per TP rank with parallel_output=True.
@@ -310,5 +324,6 @@ def build_mixtral_model(info: MixtralInfo, config, use_te: Optional[bool] = None
     from megatron_lora.models.gpt import build_gpt_model
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    spec = mixtral_block_spec(config, pp_rank=pp_rank, use_te=use_te)
+    spec = mixtral_block_spec(config, pp_rank=pp_rank, use_te=use_te,
+                              attention_backend=attention_backend)
     return build_gpt_model(info.shape, config, block_spec=spec)

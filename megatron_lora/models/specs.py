@@ -3,14 +3,22 @@
 The local spec of megatron-core 0.16 uses WrappedTorchNorm, which refuses sequence parallelism.
 `local_block_spec` swaps every norm (input, pre-MLP, and the final one) for our `RMSNorm`, so the
 same spec runs on CPU and on GPUs without Transformer Engine, with or without SP.
+
+`attention_backend` picks the core attention with Megatron-LM's `--attention-backend` names:
+None (the default), "unfused" or "local" keep megatron's DotProductAttention (scores and
+probabilities [b, heads, s, s] kept for backward); "flash" or "auto" use
+`megatron_lora.models.attention.SDPAttention` (torch's fused scaled_dot_product_attention, memory
+linear in s); "fused" (Transformer Engine's fused attention) is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -19,26 +27,70 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lora.models.attention import SDPAttention
 from megatron_lora.models.norm import RMSNorm
+from megatron_lora.runtime.versions import spec_submodules
+
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 
 
-def local_layer_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
-    """A TransformerLayer spec with local linears, SequentialMLP (or GroupedMLP) experts, RMSNorm."""
+def core_attention_class(attention_backend: Optional[str]) -> type:
+    """The local spec's core_attention module for a Megatron-LM `--attention-backend` name."""
+    if attention_backend is None or attention_backend in ("unfused", "local"):
+        return DotProductAttention
+    if attention_backend in ("flash", "auto"):
+        return SDPAttention
+    if attention_backend == "fused":
+        raise ValueError(
+            "attention backend 'fused' is Transformer Engine's fused attention, which "
+            "megatron_lora does not select; use 'flash' (torch's fused scaled_dot_product_attention"
+            ", memory linear in the sequence) or 'unfused' (megatron's DotProductAttention)"
+        )
+    raise ValueError(
+        f"unknown attention backend {attention_backend!r}; choose one of "
+        f"{', '.join(b for b in ATTENTION_BACKENDS if b != 'fused')}"
+    )
+
+
+def _with_core_attention(attention_spec, core_attention: type):
+    """A copy of a self-attention spec (ModuleSpec, or functools.partial in later releases)
+    whose submodules build `core_attention`."""
+    submodules = dataclasses.replace(spec_submodules(attention_spec), core_attention=core_attention)
+    if isinstance(attention_spec, functools.partial):
+        keywords = dict(attention_spec.keywords, submodules=submodules)
+        return functools.partial(attention_spec.func, *attention_spec.args, **keywords)
+    return dataclasses.replace(attention_spec, submodules=submodules)
+
+
+def local_layer_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: bool = False,
+    attention_backend: Optional[str] = None,
+) -> ModuleSpec:
+    """A TransformerLayer spec with local linears, SequentialMLP (or GroupedMLP) experts, RMSNorm,
+    and the core attention `attention_backend` names (see the module docstring)."""
+    core_attention = core_attention_class(attention_backend)
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, normalization="RMSNorm"
     )
     # Copy, do not mutate: megatron's spec objects may be shared.
-    submodules = dataclasses.replace(
-        spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm
-    )
+    replaced = dict(input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    if core_attention is not DotProductAttention:
+        replaced["self_attention"] = _with_core_attention(
+            spec.submodules.self_attention, core_attention
+        )
+    submodules = dataclasses.replace(spec.submodules, **replaced)
     return dataclasses.replace(spec, submodules=submodules)
 
 
 def local_block_spec(
-    config: TransformerConfig, pp_rank: Optional[int] = None, moe_grouped_gemm: bool = False
+    config: TransformerConfig,
+    pp_rank: Optional[int] = None,
+    moe_grouped_gemm: bool = False,
+    attention_backend: Optional[str] = None,
 ) -> ModuleSpec:
     """A TransformerBlock spec for this pipeline stage's layers with an RMSNorm final norm."""
-    layer = local_layer_spec(config.num_moe_experts, moe_grouped_gemm)
+    layer = local_layer_spec(config.num_moe_experts, moe_grouped_gemm, attention_backend)
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     return ModuleSpec(
         module=TransformerBlock,

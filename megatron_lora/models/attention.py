@@ -1,0 +1,171 @@
+"""Exact attention through torch's fused `scaled_dot_product_attention` (SDPA), for the local spec.
+
+`SDPAttention` is a drop-in `core_attention` for megatron-core's SelfAttention: same constructor
+and forward as megatron's `DotProductAttention`, same result in fp32 (to rounding), but it never
+keeps the `[b, heads, s, s]` attention probabilities for backward. Megatron's unfused
+DotProductAttention materialises scores and probabilities of that shape (memory quadratic in s);
+the fused kernels keep only the output and a per-row log-sum-exp (linear in s) and recompute the
+probabilities block by block in backward.
+
+Which kernel runs where (torch picks among the kernels allowed by the arguments we pass):
+
+| case | what we pass | CPU (torch 2.13) | CUDA GPU |
+|---|---|---|---|
+| causal, no mask (unpacked batches) | `is_causal=True`, no mask tensor, `enable_gqa=True` | fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) | flash kernel (memory-efficient kernel when flash does not apply, e.g. head_dim > 256) |
+| packed samples (`attention_mask` [b, 1, s, s]) | boolean `attn_mask` (True = may attend), k/v expanded over the query groups | the same fused flash kernel, which takes the mask | memory-efficient kernel (flash takes no mask) |
+
+Memory kept for backward besides q, k, v and the output: causal: the [b, heads, s] log-sum-exp;
+packed: that plus the inverted boolean mask [b, 1, s, s] (one byte per element, shared by every
+head; the caller's mask of the same size exists anyway) and k/v expanded to [b, heads, s, d].
+How packed samples are represented: megatron_lora.data.packing builds a block-diagonal causal
+mask [b, 1, s, s] (True = masked, megatron's convention) that training.step passes to the model
+as `attention_mask`; `packed_seq_params` (cu_seqlens, TE's THD format) is not used by this project
+and is refused here, as megatron's DotProductAttention refuses it.
+
+Refused at construction, with the setting to change: attention dropout > 0 (SDPA draws its own
+dropout mask, outside megatron's RNG tracker, so results could not match DotProductAttention's),
+non-vanilla softmax types, sliding-window attention, qk-clip and context parallelism.
+
+Parallel state: runs on this TP rank's heads (num_attention_heads / tp query heads,
+num_query_groups / tp key/value groups); sequence parallelism does not reach here (SelfAttention
+gathers the sequence before linear_qkv), so s is always the full sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _refuse(config: TransformerConfig, attention_dropout: Optional[float]) -> None:
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        raise ValueError(
+            f"SDPAttention (attention backend 'flash'/'auto') needs attention_dropout=0, got "
+            f"{dropout}: torch's fused kernels draw their own dropout mask, so the result would "
+            "not match megatron's DotProductAttention; use --attention-backend unfused for "
+            "attention dropout"
+        )
+    problems = []
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "window_size", None) is not None:
+        problems.append(f"window_size={config.window_size} (no sliding-window attention)")
+    if getattr(config, "qk_clip", False):
+        problems.append("qk_clip=True (no attention-logit statistics)")
+    if config.context_parallel_size != 1:
+        problems.append(f"context_parallel_size={config.context_parallel_size} (only 1)")
+    if problems:
+        raise ValueError(
+            "SDPAttention (attention backend 'flash'/'auto') does not support "
+            + "; ".join(problems) + "; use --attention-backend unfused"
+        )
+
+
+class SDPAttention(MegatronModule):
+    """core_attention computing softmax(q k^T * scale + mask) v with torch's fused SDPA.
+
+    forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+    packed_seq_params=None):
+      query [sq, b, np, hn], key/value [sk, b, ng, hn] (np = heads, ng = query groups on this TP
+      rank); attention_mask None (causal by attn_mask_type) or bool [b or 1, 1, sq, sk] with
+      True = masked out (megatron's convention; it then replaces the causal mask, as in
+      DotProductAttention). Returns the context [sq, b, np * hn].
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        **kwargs,  # pg_collection and whatever later releases pass: only the TP size is needed
+    ):
+        super().__init__(config=config)
+        _refuse(config, attention_dropout)
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        pg_collection = kwargs.get("pg_collection")
+        if pg_collection is not None and hasattr(pg_collection, "tp"):
+            tp = pg_collection.tp.size()
+        else:
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+        if config.num_attention_heads % tp or config.num_query_groups % tp:
+            raise ValueError(
+                f"num_attention_heads={config.num_attention_heads} and num_query_groups="
+                f"{config.num_query_groups} must both divide by the tensor-parallel size {tp}"
+            )
+        self.heads_per_partition = config.num_attention_heads // tp
+        self.groups_per_partition = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        # DotProductAttention divides by layer_number under apply_query_key_layer_scaling and
+        # multiplies the scores back in its softmax: the net scale is this one.
+        self.softmax_scale = (
+            1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError(
+                "SDPAttention takes packed samples as a block-diagonal attention_mask "
+                "[b, 1, s, s] (megatron_lora.data.packing), not packed_seq_params"
+            )
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        sq, b, np_, hn = query.shape
+        sk = key.shape[0]
+        # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take any strides with a unit last one.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        rep = np_ // key.shape[2]
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"SDPAttention expects a boolean attention_mask (True = masked), got "
+                    f"{attention_mask.dtype}"
+                )
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            # Packed samples: every row keeps at least its diagonal (packing guarantees it), so
+            # no row is fully masked; megatron fills masked scores with -10000, which is exactly
+            # zero probability in fp32 and below, as SDPA's -inf is.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale
+            )
+        else:
+            causal = mask_type == AttnMaskType.causal and sq > 1
+            if causal and sq != sk:
+                raise ValueError(f"causal attention without a mask needs sq == sk, got {sq}, {sk}")
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=self.softmax_scale, enable_gqa=rep > 1
+            )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """No parameters (vanilla softmax only), so nothing to checkpoint: the same checkpoint
+        keys as DotProductAttention's vanilla case."""
+        return {}

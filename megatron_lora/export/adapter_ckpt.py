@@ -28,8 +28,10 @@ from megatron_lora.convert.dcp_write import write_torch_dist
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import Chunk, McoreTensor
 from megatron_lora.export.table import KINDS, Kind, factor_shapes, sites
+from megatron_lora.jsonfile import reason
 from megatron_lora.lora.model import LoraConfig
 from megatron_lora.models.mixtral import MixtralInfo
+from megatron_lora.runtime.safe_load import CheckpointFileError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,8 +70,11 @@ class AdapterCheckpoint:
         common_path = os.path.join(self.directory, "common.pt")
         try:
             self.common = read_run_metadata(self.directory)
+        except CheckpointFileError as exc:  # its message already names the file
+            raise ConversionError(str(exc)) from None
         except Exception as exc:
-            raise ConversionError(f"{common_path}: cannot read the run metadata: {exc}") from None
+            raise ConversionError(f"{common_path}: cannot read the run metadata: "
+                                  f"{reason(exc)}") from None
         lora = (self.common.get("run_metadata") or {}).get("lora")
         if lora is None:
             raise ConversionError(f"{common_path}: no run_metadata.lora (not an adapter checkpoint)")

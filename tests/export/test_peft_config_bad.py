@@ -74,3 +74,15 @@ def test_unreadable_file_reason_is_not_the_path_again(tmp_path):
     with pytest.raises(ConversionError) as info:
         read_adapter_config(str(tmp_path))
     assert str(info.value) == f"{path}: cannot read: Is a directory"
+
+
+def test_base_checkpoint_given_as_adapter_names_common_pt_once(tiny):
+    """A torch_dist checkpoint without run metadata (a converted base model) is not an adapter:
+    the message names its common.pt once and says why."""
+    from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+    from megatron_lora.models.mixtral import read_hf_config
+
+    with pytest.raises(ConversionError) as info:
+        AdapterCheckpoint(tiny["mcore"], read_hf_config(tiny["hf"]))
+    common = os.path.join(tiny["mcore"], "common.pt")
+    assert str(info.value) == f"{common}: has no 'common' dict: not an adapter checkpoint"

@@ -75,12 +75,12 @@ def read_tracker(root: str) -> Optional[int]:
     iteration = int(text)
     if not os.path.isdir(iteration_dir(root, iteration)):
         present = _complete_iterations(root)
-        hint = (f"the complete checkpoints here are iterations {present}: write one of them "
-                f"into {path}" if present else "there is no complete iter_XXXXXXX folder here")
+        hint = (f"; or write one of the complete iterations here, {present}, into it"
+                if present else " (there is no other complete iter_XXXXXXX folder here)")
         raise CheckpointError(
             f"{path} names iteration {iteration} but {iteration_dir(root, iteration)} does not "
-            f"exist (moved or deleted?). Restore that folder, or {hint}, or delete {path} (and "
-            f"only then) to start training from scratch")
+            f"exist (moved or deleted?). Restore that folder{hint}; or delete {path} to start "
+            f"training from scratch")
     return iteration
 
 

@@ -134,6 +134,6 @@ def test_a_tracker_naming_a_missing_iteration_is_a_clear_error(tiny, tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert f"{tracker} names iteration 6 but {save / 'iter_0000006'} does not exist" in out.stderr
-    assert "iterations [3]: write one of them" in out.stderr  # what to do
+    assert "or write one of the complete iterations here, [3], into it" in out.stderr  # what to do
     assert tracker.read_text() == "6\n" and sorted(os.listdir(save)) == [
         "iter_0000003", "latest_checkpointed_iteration.txt"]  # nothing touched

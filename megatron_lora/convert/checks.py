@@ -156,7 +156,8 @@ def memory_problems(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtyp
            "config.json sizes")
     problems = []
     if per_rank * local_ranks > host_bytes:
-        on_host = f" ({local_ranks} ranks here: {gib(per_rank * local_ranks)})" if local_ranks > 1 else ""
+        on_host = (f" ({local_ranks} ranks here: {gib(per_rank * local_ranks)})"
+                   if local_ranks > 1 else "")
         problems.append(f"{what}{on_host}, more than this machine's {gib(host_bytes)} of "
                         f"memory; {fix}")
     elif device_bytes is not None and per_rank > device_bytes:

@@ -121,7 +121,8 @@ def read_adapter_config(directory: str) -> PeftLora:
         raise ConversionError(f"{path}: field r must be a positive integer, got {json_value(r)}")
     if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0
             or not _finite(alpha)):
-        raise ConversionError(f"{path}: field lora_alpha must be a positive number, got {json_value(alpha)}")
+        raise ConversionError(f"{path}: field lora_alpha must be a positive number, got "
+                              f"{json_value(alpha)}")
     if "target_modules" not in cfg and "target_parameters" not in cfg:
         raise ConversionError(f"{path}: required field 'target_modules' is missing")
     modules = cfg.get("target_modules") or []
@@ -137,7 +138,8 @@ def read_adapter_config(directory: str) -> PeftLora:
     for name, kind in (("rank_pattern", "a positive integer"), ("alpha_pattern", "a number")):
         value = cfg.get(name) or {}
         if not isinstance(value, dict):
-            raise ConversionError(f"{path}: field {name} must be an object, got {json_value(value)}")
+            raise ConversionError(f"{path}: field {name} must be an object, got "
+                                  f"{json_value(value)}")
         for key, v in value.items():
             ok = isinstance(v, int) and v >= 1 if name == "rank_pattern" else (
                 isinstance(v, (int, float)) and _finite(v) and v > 0)

@@ -142,12 +142,14 @@ class MixtralInfo:
         vocab = f.integer("vocab_size")
         act = f.get("hidden_act", str, default="silu")
         if act != "silu":
-            raise MixtralConfigError(f"{source}: field hidden_act={act!r}: only 'silu' is supported")
+            raise MixtralConfigError(
+                f"{source}: field hidden_act={short(act)}: only 'silu' is supported")
         head_dim = f.integer("head_dim", default=None, nullable=True)
         if head_dim is not None and head_dim * heads != hidden:
             raise MixtralConfigError(
-                f"{source}: field head_dim={head_dim} differs from hidden_size/num_attention_heads="
-                f"{hidden}/{heads}; megatron_lora supports head_dim = hidden_size/num_attention_heads"
+                f"{source}: field head_dim={head_dim} differs from hidden_size/"
+                f"num_attention_heads={hidden}/{heads}; megatron_lora supports head_dim = "
+                f"hidden_size/num_attention_heads"
             )
         for name in ("attention_bias", "mlp_bias"):
             if f.get(name, bool, default=False):

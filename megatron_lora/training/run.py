@@ -13,6 +13,20 @@ class TrainSetupError(ValueError):
     """Bad input found before training started (the same on every rank)."""
 
 
+# LoraConfig field -> the train flag that sets it, for messages about CLI input.
+_LORA_FLAGS = {"LoraConfig.r": "--lora-rank", "LoraConfig.lora_alpha": "--lora-alpha",
+               "LoraConfig.lora_dropout": "--lora-dropout",
+               "LoraConfig.target_modules": "--lora-target-modules",
+               "LoraConfig.rank_pattern": "--lora-rank-pattern", "target_modules": "--lora-target-modules"}
+
+
+def _as_flags(message: str) -> str:
+    for field, flag in _LORA_FLAGS.items():
+        if message.startswith(field + " ") or f" {field} " in message:
+            return message.replace(field, flag, 1)
+    return message
+
+
 def _setup_checks(args, layout, world_size):
     """Everything that can be checked without communication; raises TrainSetupError."""
     from megatron_lora.convert.errors import ConversionError
@@ -36,11 +50,14 @@ def _setup_checks(args, layout, world_size):
 
         check_before_build(info, layout, torch.bfloat16 if args.bf16 else torch.float32,
                            load=args.load, hf_config=args.hf_config)
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                          lora_dropout=args.lora_dropout,
-                          target_modules=args.lora_target_modules,
-                          use_rslora=args.lora_use_rslora, seed=args.seed,
-                          rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []))
+        try:
+            lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                              lora_dropout=args.lora_dropout,
+                              target_modules=args.lora_target_modules,
+                              use_rslora=args.lora_use_rslora, seed=args.seed,
+                              rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []))
+        except ValueError as exc:  # the config names its fields; the user typed flags
+            raise TrainSetupError(_as_flags(str(exc))) from None
         run = RunConfig(micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
                         train_iters=args.train_iters, log_interval=args.log_interval,
@@ -56,11 +73,16 @@ def _setup_checks(args, layout, world_size):
         if args.seq_length > info.shape.max_position_embeddings:
             problems.append(f"--seq-length {args.seq_length} exceeds the model's "
                             f"max_position_embeddings {info.shape.max_position_embeddings}")
+        problems += _attention_backend_problems(args)
         if not 0.0 <= args.eval_fraction < 1.0:
             problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
         if problems:
             raise TrainSetupError("; ".join(problems))
         _check_outputs(args)
+        if args.save:  # a tracker naming a missing iteration: refused before any model exists
+            from megatron_lora.training.checkpoint import read_tracker
+
+            read_tracker(args.save)
         optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
                             lr_decay_style=args.lr_decay_style, train_iters=args.train_iters,
                             weight_decay=args.weight_decay, clip_grad=args.clip_grad)
@@ -70,6 +92,20 @@ def _setup_checks(args, layout, world_size):
             raise
         raise TrainSetupError(str(exc)) from None
     return info, hf, lora, run, optim, datasets
+
+
+def _attention_backend_problems(args) -> list:
+    from megatron_lora.models.specs import core_attention_class
+
+    backend = getattr(args, "attention_backend", None)
+    try:
+        core_attention_class(backend)
+    except ValueError as exc:
+        return [f"--attention-backend: {exc}"]
+    if args.transformer_impl == "transformer_engine" and backend not in (None, "auto"):
+        return [f"--attention-backend {backend} selects the local layers' core attention; use it "
+                "with --transformer-impl local (Transformer Engine layers use their own)"]
+    return []
 
 
 def _check_outputs(args) -> None:
@@ -132,7 +168,8 @@ def run_training(args) -> int:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = build_mixtral_model(info, mixtral_config(info, layout, dtype=dtype,
                                                      dispatcher=args.moe_token_dispatcher_type),
-                                use_te=args.transformer_impl == "transformer_engine")
+                                use_te=args.transformer_impl == "transformer_engine",
+                                attention_backend=getattr(args, "attention_backend", None))
     model.to(runtime.device())
     if hf is not None:
         load_hf(model, info, hf)

@@ -38,6 +38,10 @@ def register(sub) -> None:
     add_layout_args(p)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="run the model in bf16 (default fp32)")
+    p.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"],
+                   default=None, help="core attention (Megatron-LM's names): 'flash' torch's "
+                   "fused scaled_dot_product_attention, 'unfused'/'local' megatron's "
+                   "DotProductAttention, both on the local layers; default: the layers' own")
     p.set_defaults(func=_run)
 
 
@@ -86,6 +90,13 @@ def _run(args) -> int:
     from megatron_lora.runtime import LayoutError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    from megatron_lora.models.specs import core_attention_class
+
+    try:
+        core_attention_class(args.attention_backend)
+    except ValueError as exc:
+        print(f"megatron-lora logits: error: --attention-backend: {exc}", file=sys.stderr)
+        return 2
     try:  # everything below is local to this rank: no collective yet
         layout = layout_from_args(args)
         if args.load_hf:
@@ -136,8 +147,11 @@ def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
     os.environ.setdefault("MASTER_PORT", "29518")
     runtime.init_process_group()
     runtime.initialize(layout, model_sizes=info.shape.layout_sizes())
+    backend = getattr(args, "attention_backend", None)
+    # A named local core attention means the local layers; None/'auto' keep the usual choice.
     model = build_mixtral_model(info, mixtral_config(
-        info, layout, dtype=dtype, dispatcher=args.moe_token_dispatcher_type))
+        info, layout, dtype=dtype, dispatcher=args.moe_token_dispatcher_type),
+        use_te=False if backend not in (None, "auto") else None, attention_backend=backend)
     model.to(runtime.device())
     if hf is not None:
         load_hf(model, info, hf)

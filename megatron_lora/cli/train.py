@@ -29,6 +29,11 @@ def register(sub) -> None:
     src.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
                      default="local", help="layer implementation; LoRA on Transformer Engine's "
                      "LayerNorm-fused linears is not available yet, so 'local' is the default")
+    src.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"],
+                     default=None, help="core attention of the local layers (Megatron-LM's "
+                     "names): 'flash'/'auto' torch's fused scaled_dot_product_attention (memory "
+                     "linear in --seq-length), 'unfused'/'local' megatron's DotProductAttention "
+                     "(the default); 'fused' needs Transformer Engine and is refused")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", required=True, help="JSONL: {text} or {prompt, response} or "
                    "{messages}")

@@ -145,3 +145,24 @@ def test_attention_dropout_is_refused():
                                attention_dropout=0.1)
     with pytest.raises(ValueError, match="attention_dropout=0"):
         SDPAttention(config, 1, attn_mask_type=None, attention_type="self")
+
+
+def test_cli_refuses_fused_and_te_combinations(capsys):
+    from argparse import Namespace
+
+    from megatron_lora.cli import main
+    from megatron_lora.training.run import _attention_backend_problems
+
+    code = main(["logits", "--load", "absent", "--tokens", "absent.json", "--out", "o.safetensors",
+                 "--attention-backend", "fused"])
+    assert code == 2
+    assert "--attention-backend: attention backend 'fused'" in capsys.readouterr().err
+    assert _attention_backend_problems(Namespace(attention_backend=None, transformer_impl="local")) == []
+    assert _attention_backend_problems(Namespace(attention_backend="flash",
+                                                 transformer_impl="local")) == []
+    (fused,) = _attention_backend_problems(Namespace(attention_backend="fused",
+                                                     transformer_impl="local"))
+    assert fused.startswith("--attention-backend: ")
+    (te,) = _attention_backend_problems(Namespace(attention_backend="flash",
+                                                  transformer_impl="transformer_engine"))
+    assert "--transformer-impl local" in te

@@ -74,7 +74,6 @@ def _setup_checks(args, layout, world_size):
             problems.append(f"--seq-length {args.seq_length} exceeds the model's "
                             f"max_position_embeddings {info.shape.max_position_embeddings}")
         problems += _attention_backend_problems(args)
-        problems += _attention_backend_problems(args)
         if not 0.0 <= args.eval_fraction < 1.0:
             problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
         if problems:
@@ -93,20 +92,6 @@ def _setup_checks(args, layout, world_size):
             raise
         raise TrainSetupError(str(exc)) from None
     return info, hf, lora, run, optim, datasets
-
-
-def _attention_backend_problems(args) -> list:
-    from megatron_lora.models.specs import core_attention_class
-
-    backend = getattr(args, "attention_backend", None)
-    try:
-        core_attention_class(backend)
-    except ValueError as exc:
-        return [f"--attention-backend: {exc}"]
-    if args.transformer_impl == "transformer_engine" and backend not in (None, "auto"):
-        return [f"--attention-backend {backend} selects the local layers' core attention; use it "
-                "with --transformer-impl local (Transformer Engine layers use their own)"]
-    return []
 
 
 def _attention_backend_problems(args) -> list:

@@ -170,3 +170,21 @@ def test_bad_lora_rank_pattern_is_a_usage_error(value, capsys):
         "train", "--load-hf", "x", "--data-path", "d", "--tokenizer", "byte", "--seq-length", "8",
         "--global-batch-size", "1", "--train-iters", "1", "--lora-rank-pattern", "router=4",
         r"layers\.0\.=2"]).lora_rank_pattern == [("router", 4), (r"layers\.0\.", 2)]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--lora-rank", "0"], "--lora-rank must be a positive integer, got 0"),
+    (["--lora-alpha", "-1"], "--lora-alpha must be a finite number > 0, got -1"),
+    (["--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1), got 1.5"),
+])
+def test_bad_lora_values_name_the_flag(tiny, tmp_path, flags, needle):
+    from megatron_lora.cli import build_parser
+    from megatron_lora.runtime import ParallelLayout
+    from megatron_lora.training.run import TrainSetupError, _setup_checks
+
+    args = build_parser().parse_args(_args("train", tiny, tmp_path, "--load", tiny["mcore"],
+                                           "--hf-config", tiny["hf"], *flags))
+    with pytest.raises(TrainSetupError) as err:
+        _setup_checks(args, ParallelLayout(), 1)
+    assert needle in str(err.value) and "LoraConfig" not in str(err.value), str(err.value)
+    assert _outputs_absent(tmp_path)

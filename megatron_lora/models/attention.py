@@ -12,11 +12,14 @@ Which kernel runs where (torch picks among the kernels allowed by the arguments 
 | case | what we pass | CPU (torch 2.13) | CUDA GPU |
 |---|---|---|---|
 | causal, no mask (unpacked batches) | `is_causal=True`, no mask tensor, `enable_gqa=True` | fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) | flash kernel (memory-efficient kernel when flash does not apply, e.g. head_dim > 256) |
-| packed samples (`attention_mask` [b, 1, s, s]) | boolean `attn_mask` (True = may attend), k/v expanded over the query groups | the same fused flash kernel, which takes the mask | memory-efficient kernel (flash takes no mask) |
+| packed samples (`attention_mask` [b, 1, s, s]) | additive float `attn_mask` (0 / -inf), k/v expanded over the query groups | the same fused flash kernel, which takes the mask | memory-efficient kernel (flash takes no mask) |
 
 Memory kept for backward besides q, k, v and the output: causal: the [b, heads, s] log-sum-exp;
-packed: that plus the inverted boolean mask [b, 1, s, s] (one byte per element, shared by every
-head; the caller's mask of the same size exists anyway) and k/v expanded to [b, heads, s, d].
+packed: that, k/v expanded to [b, heads, s, d], and one additive mask [b, 1, s, s] in the
+activation dtype (4 bytes per element in fp32) made once from the boolean mask and shared by
+every head and every layer of the micro-batch (it is cached on the mask tensor). Given the
+boolean mask itself, torch would convert it to such a float mask inside every call and keep one
+copy per layer; DotProductAttention keeps [b, heads, s, s] scores and probabilities per layer.
 How packed samples are represented: megatron_lora.data.packing builds a block-diagonal causal
 mask [b, 1, s, s] (True = masked, megatron's convention) that training.step passes to the model
 as `attention_mask`; `packed_seq_params` (cu_seqlens, TE's THD format) is not used by this project
@@ -41,6 +44,20 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[b, 1, s, s] float mask (0 where attending, -inf where megatron's boolean mask is True),
+    made once per mask tensor and dtype: every layer of a micro-batch gets the same mask object,
+    so they share one copy (saved for backward by each layer, stored once)."""
+    key = (dtype, mask.device, mask._version)
+    cached = getattr(mask, "_sdpa_additive_mask", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    additive.masked_fill_(mask, float("-inf"))
+    mask._sdpa_additive_mask = (key, additive)
+    return additive
 
 
 def _refuse(config: TransformerConfig, attention_dropout: Optional[float]) -> None:
@@ -151,9 +168,10 @@ class SDPAttention(MegatronModule):
                 v = v.repeat_interleave(rep, dim=1)
             # Packed samples: every row keeps at least its diagonal (packing guarantees it), so
             # no row is fully masked; megatron fills masked scores with -10000, which is exactly
-            # zero probability in fp32 and below, as SDPA's -inf is.
+            # zero probability in fp32, as -inf is.
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale
+                q, k, v, attn_mask=_additive_mask(attention_mask, q.dtype),
+                scale=self.softmax_scale,
             )
         else:
             causal = mask_type == AttnMaskType.causal and sq > 1

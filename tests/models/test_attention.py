@@ -166,3 +166,15 @@ def test_cli_refuses_fused_and_te_combinations(capsys):
     (te,) = _attention_backend_problems(Namespace(attention_backend="flash",
                                                   transformer_impl="transformer_engine"))
     assert "--transformer-impl local" in te
+
+
+def test_packed_mask_is_converted_once_and_shared():
+    """Every layer gets the same mask object; its additive form is made once and reused, so the
+    layers keep one [b, 1, s, s] copy for backward between them, not one each."""
+    from megatron_lora.models.attention import _additive_mask
+
+    masked = ~torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    first = _additive_mask(masked, torch.float32)
+    assert _additive_mask(masked, torch.float32) is first
+    assert torch.equal(torch.isinf(first), masked) and (first[~masked] == 0).all()
+    assert _additive_mask(masked, torch.bfloat16).dtype == torch.bfloat16

@@ -246,6 +246,11 @@ def _rank_main(rank, size, port, backend, tasks, results, parent_path, log_dir):
 
         torch.set_num_threads(1)
         from megatron_lora import runtime
+        from megatron_lora.runtime import watchdog
+
+        # A rank stuck in a collective never polls its task queue: without this it would outlive
+        # a killed or crashed pytest as an orphan.
+        watchdog.watch_launcher(force=True)
 
         runtime.init_process_group(backend, timeout_s=float(os.environ.get("MLORA_PG_TIMEOUT", 300)))
         from tests.harness import registry

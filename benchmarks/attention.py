@@ -89,7 +89,10 @@ def _measure(backend, packed, seq, args) -> int:
            str(seq), str(args.hidden), str(args.heads), str(args.groups)]
     best = None
     for _ in range(args.reps):
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        for _attempt in range(3):  # a free port can be taken before the child binds it
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+            if out.returncode == 0 or "EADDRINUSE" not in out.stderr:
+                break
         if out.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
         peak = int(out.stdout.strip().splitlines()[-1])

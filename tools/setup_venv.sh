@@ -41,11 +41,11 @@ if [ -n "$MCORE" ]; then
 fi
 
 "${PIP[@]}" -c "$CONSTRAINTS" -e '.[test,hf]'
-if ! "$PY" -c "import megatron.core.models.gpt.gpt_model" 2>/dev/null; then
-  if "$PY" -c "import megatron.core.models.gpt.gpt_model" 2>&1 | grep -q "No module named 'triton'"; then
-    "${PIP[@]}" -c "$CONSTRAINTS" triton
-  fi
-fi
+# (The import's output is captured first: under pipefail a failing python | grep is false.)
+why=$("$PY" -c "import megatron.core.models.gpt.gpt_model" 2>&1) || true
+case "$why" in
+  *"No module named 'triton'"*) "${PIP[@]}" -c "$CONSTRAINTS" triton ;;
+esac
 "$PY" -c "import megatron.core.models.gpt.gpt_model" 2>/dev/null || {
   "$PY" -c "import megatron.core.models.gpt.gpt_model"; exit 1; }
 "$PY" -c "import megatron.core as m; print('megatron-core', m.__version__, 'in $VENV')"

@@ -44,7 +44,7 @@ def _offsets(counts: Sequence[int], device) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
 
 
-def _gmm(x: torch.Tensor, w: torch.Tensor, counts: List[int]) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: List[int]) -> torch.Tensor:
     """Grouped x_e @ w_e: x [N, K] split by counts, w [E, K, M] -> [N, M]."""
     if x.shape[0] > 0 and hasattr(torch, "_grouped_mm"):
         try:
@@ -60,7 +60,7 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, counts: List[int]) -> torch.Tensor:
     return out
 
 
-def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, counts: List[int], num: int) -> torch.Tensor:
+def grouped_mm_wgrad(x: torch.Tensor, g: torch.Tensor, counts: List[int], num: int) -> torch.Tensor:
     """Per-group x_e^T @ g_e: x [N, K], g [N, M] -> [E, K, M] (zeros for empty groups)."""
     if x.shape[0] > 0 and hasattr(torch, "_grouped_mm") and all(counts):
         try:
@@ -86,7 +86,7 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.token_ids = token_ids
         wt = w.to(x.dtype).transpose(1, 2)
         xd = _dropped(x, ctx) if p > 0.0 else x
-        y = _gmm(xd, wt, counts)
+        y = grouped_mm(xd, wt, counts)
         if scale != 1.0:
             y.mul_(scale)
         ctx.save_for_backward(x, w)
@@ -100,12 +100,12 @@ class _GroupedLinear(torch.autograd.Function):
             g = g * ctx.scale
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = _gmm(g, w.to(x.dtype), ctx.counts)
+            grad_x = grouped_mm(g, w.to(x.dtype), ctx.counts)
             if ctx.p > 0.0:
                 grad_x = _dropped(grad_x, ctx)
         if ctx.needs_input_grad[1]:
             xd = _dropped(x, ctx) if ctx.p > 0.0 else x
-            grad_w = _gmm_wgrad(g, xd, ctx.counts, w.shape[0]).to(w.dtype)  # [E, M, K]
+            grad_w = grouped_mm_wgrad(g, xd, ctx.counts, w.shape[0]).to(w.dtype)  # [E, M, K]
         return grad_x, grad_w, None, None, None, None, None, None
 
 

@@ -16,7 +16,8 @@ layer's own dispatcher, on this layer instance only (nothing in megatron is patc
   the result lines up with the experts' input rows;
 - the SequentialMLP's `forward` is wrapped on the instance: it splits the indices by
   tokens_per_expert and hands each local expert's adapters (key stream 2 e + j, dropout.sub_key)
-  their rows for that call.
+  their rows for that call (grouped experts, models/grouped_experts.py, read the whole call's
+  indices and key from `experts.token_route`).
 
 Cost, only in training with dropout > 0 on the layer's experts: one more dispatch of a
 [tokens, 1] fp32 tensor (4 bytes per token and expert slot), which through megatron's public
@@ -157,6 +158,7 @@ def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> Toke
 
     dispatcher.dispatch_preprocess = dispatch_preprocess
     experts_module.forward = forward
+    experts_module.token_route = route  # grouped experts read the whole call's rows and key
     for local, pairs in enumerate(adapters):
         for adapter, stream_offset in pairs:
             adapter.dropout_rows = _rows_source(route, local, stream_offset)

@@ -9,12 +9,15 @@ None (the default), "unfused" or "local" keep megatron's DotProductAttention (sc
 probabilities [b, heads, s, s] kept for backward); "flash" or "auto" use
 `megatron_lora.models.attention.SDPAttention` (torch's fused scaled_dot_product_attention, memory
 linear in s); "fused" (Transformer Engine's fused attention) is refused.
+
+`moe_grouped_gemm` (Megatron-LM's `--moe-grouped-gemm`) builds the experts as
+`megatron_lora.models.grouped_experts.GroupedExperts` (all local experts in one grouped matmul per
+weight, checkpoints identical to SequentialMLP's) instead of megatron's SequentialMLP.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -28,8 +31,9 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lora.models.attention import SDPAttention
+from megatron_lora.models.grouped_experts import GroupedExperts
 from megatron_lora.models.norm import RMSNorm
-from megatron_lora.runtime.versions import spec_submodules
+from megatron_lora.runtime.versions import spec_replace, spec_submodules
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 
@@ -53,13 +57,16 @@ def core_attention_class(attention_backend: Optional[str]) -> type:
 
 
 def _with_core_attention(attention_spec, core_attention: type):
-    """A copy of a self-attention spec (ModuleSpec, or functools.partial in later releases)
-    whose submodules build `core_attention`."""
+    """A copy of a self-attention spec whose submodules build `core_attention`."""
     submodules = dataclasses.replace(spec_submodules(attention_spec), core_attention=core_attention)
-    if isinstance(attention_spec, functools.partial):
-        keywords = dict(attention_spec.keywords, submodules=submodules)
-        return functools.partial(attention_spec.func, *attention_spec.args, **keywords)
-    return dataclasses.replace(attention_spec, submodules=submodules)
+    return spec_replace(attention_spec, submodules=submodules)
+
+
+def _with_grouped_experts(mlp_spec):
+    """A copy of an MoE layer spec whose experts are GroupedExperts (same submodules)."""
+    moe = spec_submodules(mlp_spec)
+    experts = spec_replace(moe.experts, module=GroupedExperts)
+    return spec_replace(mlp_spec, submodules=dataclasses.replace(moe, experts=experts))
 
 
 def local_layer_spec(
@@ -67,14 +74,19 @@ def local_layer_spec(
     moe_grouped_gemm: bool = False,
     attention_backend: Optional[str] = None,
 ) -> ModuleSpec:
-    """A TransformerLayer spec with local linears, SequentialMLP (or GroupedMLP) experts, RMSNorm,
-    and the core attention `attention_backend` names (see the module docstring)."""
+    """A TransformerLayer spec with local linears, SequentialMLP experts (GroupedExperts with
+    moe_grouped_gemm), RMSNorm, and the core attention `attention_backend` names (see the module
+    docstring)."""
     core_attention = core_attention_class(attention_backend)
+    # megatron's own grouped experts need Transformer Engine (or, before 0.17, the grouped_gemm
+    # package): ask for SequentialMLP and swap in GroupedExperts, which keeps its checkpoints.
     spec = get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, normalization="RMSNorm"
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
     )
     # Copy, do not mutate: megatron's spec objects may be shared.
     replaced = dict(input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    if moe_grouped_gemm and num_experts:
+        replaced["mlp"] = _with_grouped_experts(spec.submodules.mlp)
     if core_attention is not DotProductAttention:
         replaced["self_attention"] = _with_core_attention(
             spec.submodules.self_attention, core_attention

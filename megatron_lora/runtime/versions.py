@@ -38,3 +38,21 @@ def spec_submodules(spec: Any) -> Any:
     if isinstance(spec, functools.partial):
         return spec.keywords.get("submodules")
     return getattr(spec, "submodules", None)
+
+
+def spec_replace(spec: Any, *, module: Any = None, submodules: Any = None) -> Any:
+    """A copy of a layer spec (either form) that builds `module` and/or passes `submodules`
+    (None: keep the spec's). The original is not modified (megatron's specs may be shared)."""
+    import dataclasses
+
+    if isinstance(spec, functools.partial):
+        keywords = dict(spec.keywords)
+        if submodules is not None:
+            keywords["submodules"] = submodules
+        return functools.partial(module or spec.func, *spec.args, **keywords)
+    changes = {}
+    if module is not None:
+        changes["module"] = module
+    if submodules is not None:
+        changes["submodules"] = submodules
+    return dataclasses.replace(spec, **changes)

@@ -75,15 +75,16 @@ def global_batch(dp: int, seed: int = 9):
 
 
 def build_layer(layout, dispatcher: str, weights, adapter_config: AdapterConfig, *,
-                dense_expert_adapters: bool = False):
-    """MoELayer with the given global weights; router + all expert linears wrapped."""
+                dense_expert_adapters: bool = False, grouped: bool = False):
+    """MoELayer with the given global weights; router + all expert linears wrapped; grouped:
+    GroupedExperts (models/grouped_experts.py) instead of SequentialMLP."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_lora.models.specs import local_layer_spec
     from megatron_lora.runtime.versions import spec_submodules
 
     config = layer_config(layout, dispatcher)
-    spec = spec_submodules(local_layer_spec(E)).mlp
+    spec = spec_submodules(local_layer_spec(E, moe_grouped_gemm=grouped)).mlp
     layer = MoELayer(config, submodules=spec_submodules(spec), layer_number=1)
     layer.set_layer_number(1)  # the router logs its aux loss under its layer number
     experts = layer.experts
@@ -98,7 +99,9 @@ def build_layer(layout, dispatcher: str, weights, adapter_config: AdapterConfig,
     prefix = "decoder.layers.0.mlp.experts"
     adapters = wrap_experts(experts, adapter_config, prefix=prefix, seed_for=seed_for,
                             moe_layer=layer)
-    router_adapter = wrap_router(layer.router, adapter_config, seed=seed_for("router"))
+    router_config = (adapter_config if isinstance(adapter_config, AdapterConfig)
+                     else adapter_config("decoder.layers.0.mlp.router"))  # a per-name config
+    router_adapter = wrap_router(layer.router, router_config, seed=seed_for("router"))
     if dense_expert_adapters:  # the bug others shipped: expert adapters in the dense DP buffers
         for ad in adapters:
             ad.lora_A.allreduce = ad.lora_B.allreduce = True
@@ -155,7 +158,7 @@ def _grad(p):
 
 def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False,
                  with_aux: bool = True, dropout: float = 0.0,
-                 rslora: bool = False) -> Dict[str, float]:
+                 rslora: bool = False, grouped: bool = False) -> Dict[str, float]:
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -174,7 +177,8 @@ def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False
     scale = alpha / math.sqrt(RANK) if rslora else alpha / RANK
     weights = global_weights()
     config, layer, adapters, router_ad = build_layer(
-        layout, dispatcher, weights, cfg, dense_expert_adapters=dense_expert_adapters)
+        layout, dispatcher, weights, cfg, dense_expert_adapters=dense_expert_adapters,
+        grouped=grouped)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), module=layer)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()

@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/train.py [--hidden 512] [--steps 6] [--reps 2]
 
 Both sides train the same small Mixtral (the same HF safetensors), on the same token batches, with
-LoRA on the same modules (q/k/v/o projections and every expert's w1/w2/w3 when the expert adapters
-are available; see --targets), fp32, world size 1, AdamW. Each side runs in its own process (so
+LoRA on the same modules (by default q/k/v/o projections and every expert's fc1/fc2: w1/w3/w2, or
+transformers 5's fused gate_up_proj/down_proj through PEFT's target_parameters; see --targets),
+ours with its default experts module (grouped experts; --no-moe-grouped-gemm in train), fp32, world size 1, AdamW. Each side runs in its own process (so
 peak RSS is its own); sides alternate `--reps` times and the best tokens/s of each is kept, which
 keeps the ratio meaningful on a noisy machine. Ends with one JSON line.
 """
@@ -85,9 +86,18 @@ def run_peft(args) -> dict:
 
     hf_targets = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
                   "linear_fc1": ["w1", "w3"], "linear_fc2": ["w2"]}
+    # transformers 5 fuses each layer's experts into 3-D parameters; PEFT adapts those through
+    # target_parameters (one LoRA pair per expert), older releases have w1/w2/w3 linears.
+    fused = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
     model = MixtralForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
-    targets = [t for k in args.targets for t in hf_targets[k]]
-    model = get_peft_model(model, PeftLoraConfig(r=16, lora_alpha=32, target_modules=targets))
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    experts_fused = "w1" not in names
+    targets = [t for k in args.targets if not (experts_fused and k in fused)
+               for t in hf_targets[k]]
+    parameters = [fused[k] for k in args.targets if experts_fused and k in fused]
+    extra = {"target_parameters": parameters} if parameters else {}
+    model = get_peft_model(model, PeftLoraConfig(r=16, lora_alpha=32, target_modules=targets,
+                                                 **extra))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     data = batches(model.config.vocab_size, args.batch, args.seq, args.steps + 1)
@@ -124,7 +134,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--targets", nargs="+", default=["linear_qkv", "linear_proj"])
+    p.add_argument("--targets", nargs="+",
+                   default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     p.add_argument("--side", choices=["ours", "peft"], default=None)
     p.add_argument("--hf", default=None)
     args = p.parse_args()

@@ -12,6 +12,10 @@ Counts (bytes per GPU, bf16 model):
               recomputation: per layer 2*s*b*h*(5 attention inputs/outputs + 2*k*(1 + 3*f/h)
               expert tokens*k through fc1/act/fc2) / TP, times layers per stage times the 1F1B
               in-flight micro-batches (PP on the first stage)
+              --recompute-granularity full (uniform, 1 layer per chunk): each layer keeps only
+              its input [s/TP, b, h] in bf16, plus one layer's full activations while it is
+              recomputed in backward; selective (core_attn): the s x s scores of
+              --unfused-attention are not kept (flash attention keeps none anyway)
 These are estimates from the shapes, not measurements; leave 10-20% for fragmentation,
 communication buffers and the CUDA context.
 """
@@ -24,7 +28,7 @@ import json
 
 def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: int,
              targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
-             unfused_attention: bool = False) -> dict:
+             unfused_attention: bool = False, recompute: str = None) -> dict:
     h, f = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     layers, experts, k = cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["num_experts_per_tok"]
@@ -44,10 +48,14 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     lora_expert = ("linear_fc1" in targets) * (r * h + 2 * f * r) + ("linear_fc2" in targets) * (r * f + h * r)
     adapter_params = per_stage * (lora_dense / tp + experts * lora_expert / (ep * etp))
     act_layer = 2 * seq * micro_batch * h * (5 + 2 * k * (1 + 3 * f / h)) / tp
-    if unfused_attention:  # local spec: softmax input and output, [b, a/t, s, s] in bf16 each
+    if unfused_attention and recompute != "selective":
+        # local spec: softmax input and output, [b, a/t, s, s] in bf16 each
         act_layer += 2 * 2 * micro_batch * heads * seq * seq / tp
     in_flight = pp if pp > 1 else 1
-    activations = act_layer * per_stage * in_flight
+    if recompute == "full":  # layer inputs only, plus one layer being recomputed
+        activations = 2 * seq * micro_batch * h / tp * per_stage * in_flight + act_layer
+    else:
+        activations = act_layer * per_stage * in_flight
     return {"weights": weights, "adapters": adapter_params * 2, "optimizer": adapter_params * 16,
             "activations": activations}
 
@@ -64,6 +72,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--unfused-attention", action="store_true",
                    help="megatron's local attention (s x s scores kept) instead of flash attention")
+    p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recomputation as train's flag (see the docstring)")
     args = p.parse_args()
     cfg = json.load(open(args.hf_config))
     gib = 2 ** 30
@@ -72,7 +82,8 @@ def main() -> None:
     for name in args.layouts:
         layout = ParallelLayout.parse(name)
         e = estimate(cfg, layout, args.world, args.seq, args.micro_batch_size, args.rank,
-                     unfused_attention=args.unfused_attention)
+                     unfused_attention=args.unfused_attention,
+                     recompute=args.recompute_granularity)
         total = sum(e.values())
         print(f"| {name} | " + " | ".join(f"{v / gib:.1f} GiB" for v in e.values())
               + f" | {total / gib:.1f} GiB |")

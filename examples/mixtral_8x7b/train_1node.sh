@@ -11,7 +11,7 @@ torchrun --nproc-per-node 8 -m megatron_lora train \
   --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
   --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --sequence-parallel \
   --moe-token-dispatcher-type alltoall \
-  --seq-length 2048 --micro-batch-size 1 --global-batch-size 64 \
+  --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 64 \
   --train-iters 1000 --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 50 --lr-decay-style cosine \
   --clip-grad 1.0 --weight-decay 0.0 --bf16 --seed 1234 \
   --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 \

@@ -11,7 +11,7 @@ torchrun --nnodes "$NNODES" --nproc-per-node 8 \
   --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
   --tensor-model-parallel-size 2 --expert-model-parallel-size 8 --sequence-parallel \
   --moe-token-dispatcher-type alltoall \
-  --seq-length 2048 --micro-batch-size 1 --global-batch-size 128 \
+  --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 128 \
   --train-iters 1000 --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 50 --bf16 \
   --lora-rank 16 --lora-alpha 32 \
   --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 \

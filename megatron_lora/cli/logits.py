@@ -17,6 +17,7 @@ before the first collective, so a bad run fails fast on all ranks with one messa
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -42,6 +43,9 @@ def register(sub) -> None:
                    default=None, help="core attention (Megatron-LM's names): 'flash' torch's "
                    "fused scaled_dot_product_attention, 'unfused'/'local' megatron's "
                    "DotProductAttention, both on the local layers; default: the layers' own")
+    p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="grouped experts (GroupedExperts, the same checkpoints as SequentialMLP, "
+                   "which --no-moe-grouped-gemm selects); default: on with the local layers")
     p.set_defaults(func=_run)
 
 
@@ -148,10 +152,12 @@ def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
     runtime.init_process_group()
     runtime.initialize(layout, model_sizes=info.shape.layout_sizes())
     backend = getattr(args, "attention_backend", None)
-    # A named local core attention means the local layers; None/'auto' keep the usual choice.
+    grouped = getattr(args, "moe_grouped_gemm", None)
+    # A named local core attention or --moe-grouped-gemm mean the local layers; else the usual.
+    local = backend not in (None, "auto") or bool(grouped)
     model = build_mixtral_model(info, mixtral_config(
         info, layout, dtype=dtype, dispatcher=args.moe_token_dispatcher_type),
-        use_te=False if backend not in (None, "auto") else None, attention_backend=backend)
+        use_te=False if local else None, attention_backend=backend, moe_grouped_gemm=grouped)
     model.to(runtime.device())
     if hf is not None:
         load_hf(model, info, hf)

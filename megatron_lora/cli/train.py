@@ -13,6 +13,7 @@ compatibility) is checked on every rank before training starts.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from megatron_lora.cli.common import add_layout_args
@@ -34,6 +35,11 @@ def register(sub) -> None:
                      "names): 'flash'/'auto' torch's fused scaled_dot_product_attention (memory "
                      "linear in --seq-length), 'unfused'/'local' megatron's DotProductAttention "
                      "(the default); 'fused' needs Transformer Engine and is refused")
+    src.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=None,
+                     help="all local experts in one grouped matmul per weight and LoRA factor "
+                     "(GroupedExperts; the same checkpoints as megatron's per-expert "
+                     "SequentialMLP, which --no-moe-grouped-gemm selects). Default: on with "
+                     "--transformer-impl local")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", required=True, help="JSONL: {text} or {prompt, response} or "
                    "{messages}")

@@ -148,7 +148,9 @@ class GroupedExperts(SequentialMLP):
 
     def _tie(self) -> None:
         for name in ("linear_fc1", "linear_fc2"):
-            tie_weights([_base_linear(getattr(mlp, name)).weight for mlp in self.local_experts])
+            weights = [_base_linear(getattr(mlp, name)).weight for mlp in self.local_experts]
+            if shared_stack(weights) is None:
+                tie_weights(weights)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / .half() give every Parameter new storage; re-home them.

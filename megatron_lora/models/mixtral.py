@@ -256,7 +256,8 @@ def te_available() -> bool:
 
 
 def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = None,
-                       attention_backend: Optional[str] = None):
+                       attention_backend: Optional[str] = None,
+                       moe_grouped_gemm: Optional[bool] = None):
     """TransformerBlock spec for this pipeline stage.
 
     use_te: True requires Transformer Engine (TE linears fused with RMSNorm, TENorm final norm,
@@ -265,6 +266,9 @@ def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[b
     attention_backend: Megatron-LM's `--attention-backend` name for the local spec's core
     attention (models.specs); None keeps megatron's DotProductAttention. The TE spec always uses
     TEDotProductAttention (None or "auto" only).
+    moe_grouped_gemm: GroupedExperts (models/grouped_experts.py) instead of SequentialMLP in the
+    local spec; checkpoints are the same either way. None (the default): grouped experts with
+    the local spec, SequentialMLP with the TE spec; True with the TE spec is refused.
     """
     from megatron_lora.models.specs import core_attention_class, local_block_spec
 
@@ -272,7 +276,13 @@ def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[b
     if use_te is None:
         use_te = te_available() and torch.cuda.is_available()
     if not use_te:
-        return local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend)
+        return local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend,
+                                moe_grouped_gemm=moe_grouped_gemm is not False)
+    if moe_grouped_gemm:
+        raise ValueError(
+            "grouped experts (--moe-grouped-gemm) are built from the local spec; the Transformer "
+            "Engine spec keeps SequentialMLP experts (pass use_te=False, or no --moe-grouped-gemm)"
+        )
     if attention_backend not in (None, "auto"):
         raise ValueError(
             f"attention backend {attention_backend!r} selects the local spec's core attention; "
@@ -313,10 +323,12 @@ def mixtral_config(info: MixtralInfo, layout: ParallelLayout, *, dtype: torch.dt
 
 
 def build_mixtral_model(info: MixtralInfo, config, use_te: Optional[bool] = None,
-                        attention_backend: Optional[str] = None):
+                        attention_backend: Optional[str] = None,
+                       moe_grouped_gemm: Optional[bool] = None):
     """This pipeline stage's GPTModel for `info` (megatron parallel state must be initialised).
 
-    attention_backend: see mixtral_block_spec (None keeps megatron's DotProductAttention).
+    attention_backend, moe_grouped_gemm: see mixtral_block_spec (None keeps megatron's
+    DotProductAttention; None grouped experts on the local spec).
 
     The model's vocabulary is the padded one ([Vp/tp, h] embedding and output shards per TP rank);
     its logits are [b, s, Vp/tp] per TP rank with parallel_output=True.
@@ -327,5 +339,6 @@ def build_mixtral_model(info: MixtralInfo, config, use_te: Optional[bool] = None
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     spec = mixtral_block_spec(config, pp_rank=pp_rank, use_te=use_te,
-                              attention_backend=attention_backend)
+                              attention_backend=attention_backend,
+                              moe_grouped_gemm=moe_grouped_gemm)
     return build_gpt_model(info.shape, config, block_spec=spec)

@@ -74,6 +74,9 @@ def _setup_checks(args, layout, world_size):
             problems.append(f"--seq-length {args.seq_length} exceeds the model's "
                             f"max_position_embeddings {info.shape.max_position_embeddings}")
         problems += _attention_backend_problems(args)
+        if getattr(args, "moe_grouped_gemm", None) and args.transformer_impl != "local":
+            problems.append("--moe-grouped-gemm builds grouped experts from the local layers; use "
+                            "it with --transformer-impl local (or pass --no-moe-grouped-gemm)")
         if not 0.0 <= args.eval_fraction < 1.0:
             problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
         if problems:
@@ -169,7 +172,8 @@ def run_training(args) -> int:
     model = build_mixtral_model(info, mixtral_config(info, layout, dtype=dtype,
                                                      dispatcher=args.moe_token_dispatcher_type),
                                 use_te=args.transformer_impl == "transformer_engine",
-                                attention_backend=getattr(args, "attention_backend", None))
+                                attention_backend=getattr(args, "attention_backend", None),
+                                moe_grouped_gemm=getattr(args, "moe_grouped_gemm", None))
     model.to(runtime.device())
     if hf is not None:
         load_hf(model, info, hf)

@@ -1,0 +1,199 @@
+"""One-shot GPU check: Mixtral-8x7B layer shapes, bf16, sequence 4096, on one GPU.
+
+    bash benchmarks/gpu/run.sh                       # on the GPU machine (installs .whl/ first)
+    python benchmarks/gpu/check.py --tiny            # CPU smoke test (the suite runs it)
+
+Builds a 2-layer model with Mixtral-8x7B layer shapes (h 4096, ffn 14336, 32 heads / 8 KV
+groups, 8 experts top-2, vocab 32000, EP 1) in bf16 with the fast path (SDPAttention,
+GroupedExperts), one micro-batch of [1, 4096] tokens, and times training steps of megatron-lora's
+own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward_backward):
+    frozen      base frozen except the final norm (the floor a LoRA step can approach)
+    lora        LoRA r=16 on linear_qkv, linear_proj and every expert's fc1/fc2, base frozen
+    full        every parameter trained
+    lora_sequential / frozen_sequential   the same with megatron's SequentialMLP experts
+Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
+wall time), tokens/s, peak memory (torch.cuda.max_memory_allocated, reset per mode).
+
+Model FLOPs per token (stated so that MFU can be checked by hand): N = the parameters a token
+uses (attention linears + top-k experts' fc1/fc2 + output layer, per layer summed; embedding
+lookups excluded), attention = 3 x 4 L s h / 2 (QK^T and AV, causal half, forward + two
+backward products). full: 6 N + attention; lora and frozen: 4 N + attention (forward and the
+input-gradient products; frozen weights get no weight gradient; the LoRA factors' own FLOPs are
+not counted). MFU = model TFLOP/s / --peak-tflops (989: H200 dense bf16).
+
+Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, model_tflops, mfu,
+peak_memory_bytes; lora_over_frozen and lora_over_full (step-time ratios),
+grouped_over_sequential_lora and _frozen; the shape; seconds. Designed to finish well inside 8
+minutes on an H200 (model builds dominate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+SHAPE_8X7B = dict(vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=2,
+                  num_attention_heads=32, num_query_groups=8, num_experts=8, moe_router_topk=2,
+                  max_position_embeddings=4096, rotary_base=1e6, norm_epsilon=1e-5)
+SHAPE_TINY = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers=2,
+                  num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
+                  max_position_embeddings=64, rotary_base=1e6, norm_epsilon=1e-5)
+TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flops_per_token(shape: dict, seq: int, mode: str) -> float:
+    """Model FLOPs per token of one training step (formula in the module docstring)."""
+    h, f, L = shape["hidden_size"], shape["ffn_hidden_size"], shape["num_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_query_groups"]
+    attention_linears = h * (h + 2 * kv) + h * h
+    experts = shape["moe_router_topk"] * 3 * h * f
+    n = L * (attention_linears + experts) + shape["vocab_size"] * h
+    attention = 3 * 4 * L * seq * h / 2
+    return (6 if mode == "full" else 4) * n + attention
+
+
+def build(shape: dict, grouped: bool, dtype, device):
+    from megatron.core import parallel_state
+
+    from megatron_lora.models.gpt import ModelShape, build_gpt_model, transformer_config
+    from megatron_lora.models.specs import local_block_spec
+    from megatron_lora.runtime import ParallelLayout
+
+    model_shape = ModelShape(**shape)
+    # On a GPU megatron initialises the weights there (CPU initialisation of 3 B parameters
+    # would dominate the check).
+    config = transformer_config(model_shape, ParallelLayout(), dtype=dtype,
+                                use_cpu_initialization=device.type == "cpu")
+    spec = local_block_spec(config, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                            moe_grouped_gemm=grouped, attention_backend="flash")
+    model = build_gpt_model(model_shape, config, block_spec=spec)
+    return model.to(device)
+
+
+def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict:
+    import torch
+
+    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
+    from megatron_lora.training.step import forward_backward
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build(shape, grouped, dtype, device)
+    if mode == "lora":
+        apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS), verbose=False)
+    elif mode == "frozen":
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith("decoder.final_layernorm")
+    wrapped, optimizer, _ = wrap_for_training(
+        [model], OptimConfig(lr=1e-5, train_iters=1000, lr_decay_style="constant"))
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, shape["vocab_size"], (1, args.seq + 1), generator=gen).to(device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        wrapped[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(wrapped, rows[:, :-1], rows[:, 1:], micro_batch_size=1)
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    best = min(times)
+    tflops = flops_per_token(shape, args.seq, mode) * args.seq / best / 1e12
+    result = {
+        "ms_per_step": round(best * 1e3, 2),
+        "mean_ms_per_step": round(sum(times) / len(times) * 1e3, 2),
+        "tokens_per_s": round(args.seq / best, 1),
+        "model_tflops": round(tflops, 4),
+        "mfu": round(tflops / args.peak_tflops, 4),
+        "peak_memory_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    del wrapped, optimizer, model
+    gc.collect()
+    return result
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
+    parser.add_argument("--seq", type=int, default=None, help="default 4096 (tiny: 64)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=None, help="default 3")
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    args = parser.parse_args(argv)
+    started = time.time()
+    import torch
+
+    args.seq = args.seq or (64 if args.tiny else 4096)
+    args.steps = args.steps or (2 if args.tiny else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    shape = SHAPE_TINY if args.tiny else SHAPE_8X7B
+    shape = dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], args.seq))
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("benchmarks/gpu/check.py: no CUDA device; use --tiny for the CPU "
+                         "smoke test")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from megatron_lora import runtime
+    from megatron_lora.runtime import ParallelLayout
+
+    runtime.initialize(ParallelLayout(), seed=1234)
+    modes = [("frozen", True), ("lora", True), ("full", True), ("lora", False), ("frozen", False)]
+    results = {}
+    for mode, grouped in modes:
+        key = mode if grouped else f"{mode}_sequential"
+        results[key] = run_mode(mode, grouped, shape, args, torch.bfloat16, device)
+        r = results[key]
+        mem = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f}"
+        print(f"{key:18s} {r['ms_per_step']:9.1f} ms {r['tokens_per_s']:10.0f} tok/s "
+              f"{r['model_tflops']:8.1f} TFLOP/s  MFU {r['mfu'] * 100:5.1f}%  peak {mem} GiB",
+              flush=True)
+    runtime.shutdown()
+    ms = {k: v["ms_per_step"] for k, v in results.items()}
+    summary = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": dict(shape, seq_length=args.seq, dtype="bf16", micro_batch_size=1),
+        "modes": results,
+        "lora_over_frozen": round(ms["lora"] / ms["frozen"], 4),
+        "lora_over_full": round(ms["lora"] / ms["full"], 4),
+        "grouped_over_sequential_lora": round(ms["lora"] / ms["lora_sequential"], 4),
+        "grouped_over_sequential_frozen": round(ms["frozen"] / ms["frozen_sequential"], 4),
+        "flop_formula": "full 6N + attention, lora/frozen 4N + attention; attention = 3*4*L*s*h/2",
+        "peak_tflops": args.peak_tflops,
+        "seconds": round(time.time() - started, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Grouped experts (models/grouped_experts.py) against megatron's SequentialMLP, CPU, one run.
+
+    .venv/bin/python benchmarks/grouped_experts.py            # about 3 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/grouped_experts.py --tiny     # seconds (the suite's smoke test)
+
+Frozen-base forward + backward of the experts module alone (the dispatcher's rows in, their
+outputs out, input gradient and LoRA gradients), LoRA r=16 on every expert's fc1 and fc2, fp32,
+for
+    e8:  8 local experts,  h 1024, ffn 3584, 4096 tokens, top-2 (8192 rows)
+    e64: 64 local experts, h 1024, ffn 512,  4096 tokens, top-8 (32768 rows)
+Rows are split over the experts by a seeded random routing. Each variant is timed as the best
+process CPU time (other jobs cannot inflate it by descheduling this process) of interleaved
+runs after a warm-up, so load hits both alike. Ends with one JSON line:
+grouped_over_sequential_e8, grouped_over_sequential_e64 (grouped time / sequential time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {"e8": dict(experts=8, hidden=1024, ffn=3584, tokens=4096, topk=2),
+          "e64": dict(experts=64, hidden=1024, ffn=512, tokens=4096, topk=8)}
+TINY = {"e8": dict(experts=8, hidden=64, ffn=96, tokens=64, topk=2),
+        "e64": dict(experts=64, hidden=64, ffn=32, tokens=64, topk=8)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_rank() -> None:
+    """A one-rank gloo world with megatron initialised (no-op if already initialised)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()))
+    from megatron_lora import runtime
+    from megatron_lora.runtime import ParallelLayout
+
+    runtime.initialize(ParallelLayout(), seed=1234, backend="gloo")
+
+
+def build_experts(grouped: bool, experts: int, hidden: int, ffn: int, rank: int = 16,
+                  dtype=torch.float32):
+    """(MoELayer, its experts module) with LoRA on every expert's fc1/fc2 (frozen base)."""
+    import zlib
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_lora.lora import AdapterConfig
+    from megatron_lora.lora.experts import wrap_experts
+    from megatron_lora.models.gpt import tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.specs import local_layer_spec
+    from megatron_lora.runtime import ParallelLayout
+    from megatron_lora.runtime.versions import spec_submodules
+
+    shape = tiny_mixtral_shape(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts,
+                               num_layers=1, num_attention_heads=8, num_query_groups=8)
+    config = transformer_config(shape, ParallelLayout(), dtype=dtype)
+    spec = spec_submodules(local_layer_spec(experts, moe_grouped_gemm=grouped)).mlp
+    layer = MoELayer(config, submodules=spec_submodules(spec), layer_number=1)
+    cfg = AdapterConfig(rank=rank, alpha=2 * rank, init_lora_weights=False)
+    wrap_experts(layer.experts, cfg, prefix="decoder.layers.0.mlp.experts",
+                 seed_for=lambda n: zlib.crc32(n.encode()), moe_layer=layer)
+    return layer, layer.experts
+
+
+def step_fn(module, experts, hidden, tokens, topk, dtype=torch.float32):
+    """A closure running one forward+backward of `module` on seeded dispatcher-like rows."""
+    gen = torch.Generator().manual_seed(0)
+    rows = tokens * topk
+    counts = torch.multinomial(torch.ones(experts), rows, replacement=True,
+                               generator=gen).bincount(minlength=experts)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    probs = torch.rand(rows, generator=gen).to(dtype)
+
+    def step():
+        xi = x.clone().requires_grad_(True)
+        out, _ = module(xi, counts, probs)
+        out.sum().backward()
+
+    return step
+
+
+def _cpu_time(fn) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def compare(shape: dict, reps: int) -> dict:
+    """{grouped_s, sequential_s, ratio} for one shape (best interleaved CPU times)."""
+    steps = {}
+    for grouped in (True, False):
+        _, experts = build_experts(grouped, shape["experts"], shape["hidden"], shape["ffn"])
+        experts.train()
+        steps[grouped] = step_fn(experts, shape["experts"], shape["hidden"], shape["tokens"],
+                                 shape["topk"])
+        steps[grouped]()  # warm-up
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(reps):
+        for grouped in (True, False):
+            best[grouped] = min(best[grouped], _cpu_time(steps[grouped]))
+    return {"grouped_s": best[True], "sequential_s": best[False],
+            "ratio": best[True] / best[False]}
+
+
+def measure(reps: int = 3, tiny: bool = False) -> dict:
+    """{"grouped_over_sequential_e8": r8, "grouped_over_sequential_e64": r64, "rows": {...}}."""
+    init_single_rank()
+    rows = {name: compare(shape, reps) for name, shape in (TINY if tiny else SHAPES).items()}
+    result = {f"grouped_over_sequential_{name}": row["ratio"] for name, row in rows.items()}
+    result["rows"] = rows
+    return result
+
+
+def print_table(result: dict, tiny: bool = False) -> None:
+    shapes = TINY if tiny else SHAPES
+    print(f"{'case':5s} {'experts':>7s} {'h':>5s} {'ffn':>5s} {'rows':>6s} {'grouped s':>10s} "
+          f"{'sequential s':>12s} {'ratio':>6s}")
+    for name, row in result["rows"].items():
+        s = shapes[name]
+        print(f"{name:5s} {s['experts']:7d} {s['hidden']:5d} {s['ffn']:5d} "
+              f"{s['tokens'] * s['topk']:6d} {row['grouped_s']:10.3f} {row['sequential_s']:12.3f}"
+              f" {row['ratio']:6.3f}")
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    result = measure(args.reps, args.tiny)
+    print_table(result, args.tiny)
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,22 +23,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
+def art(tmp_path_factory, tiny_example):
     """A tiny HF Mixtral, its torch_dist conversion, an adapter checkpoint (random factors on
     linear_qkv), the same adapter as a PEFT folder, token ids and a JSONL data file."""
-    from megatron_lora.convert.hf_to_mcore import hf_to_mcore, open_hf
+    from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
     from megatron_lora.export.table import KIND_BY_NAME, factor_shapes
     from megatron_lora.export.to_peft import export_peft
     from megatron_lora.lora.model import LoraConfig
 
     root = tmp_path_factory.mktemp("outputs")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tiny_example.py"),
-                    "--out", str(root), "--samples", "24"], check=True, capture_output=True)
+    tiny_example(root, samples=24, mcore=True)
     p = {"root": str(root), "hf": str(root / "hf"), "data": str(root / "data.jsonl"),
          "mcore": str(root / "mcore"), "adapter": str(root / "adapter"),
          "peft": str(root / "peft"), "tokens": str(root / "tokens.json")}
-    hf_to_mcore(p["hf"], p["mcore"], progress=False)
     info, _, _ = open_hf(p["hf"])
     kind = KIND_BY_NAME["linear_qkv"]
     a_shape, b_shape = factor_shapes(info, kind, 2)

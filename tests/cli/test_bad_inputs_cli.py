@@ -36,6 +36,16 @@ def _env():
     return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
+@pytest.fixture
+def single_rank_env(monkeypatch):
+    """The environment of a plain one-process run, restored after the test (`train` sets the
+    torchrun variables it finds missing)."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", str(PORT + 10))):
+        monkeypatch.setenv(k, v)
+
+
 def _config(tiny, tmp_path, **changes):
     with open(os.path.join(tiny["hf"], "config.json")) as f:
         cfg = json.load(f)
@@ -73,21 +83,25 @@ HUGE = ["vocab_size=100000000000 (padded", "GiB per rank in float32 at TP1, more
     ("train", dict(vocab_size=1e9), ["field 'vocab_size' must be a positive integer, got "
                                      "1000000000.0"]),
 ])
-def test_hf_config_that_does_not_fit_the_checkpoint(tiny, tmp_path, command, change, needles):
+def test_hf_config_that_does_not_fit_the_checkpoint(tiny, tmp_path, capsys, single_rank_env,
+                                                    command, change, needles):
+    """Run in this process (`main` is what `python -m megatron_lora` calls): the refusal comes
+    before any collective, so no process group is made; the multi-rank cases below use real
+    processes."""
+    from megatron_lora.cli import main
+
     config = _config(tiny, tmp_path, **change)
-    cmd = [sys.executable, "-m", "megatron_lora",
-           *_args(command, tiny, tmp_path, "--load", tiny["mcore"], "--hf-config", config)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr and "CheckpointException" not in out.stderr
-    assert f"megatron-lora {command}: error: " in out.stderr
-    assert config in out.stderr, out.stderr  # the file at fault, named once
-    assert out.stderr.count(config) == 1, out.stderr
+    code = main(_args(command, tiny, tmp_path, "--load", tiny["mcore"], "--hf-config", config))
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err and "CheckpointException" not in err
+    assert f"megatron-lora {command}: error: " in err
+    assert config in err, err  # the file at fault, named once
+    assert err.count(config) == 1, err
     if "hidden_size" in change or "vocab_size" in change and change["vocab_size"] == 10 ** 11:
-        assert f"--hf-config {config} does not describe the checkpoint {tiny['mcore']}: " \
-            in out.stderr
+        assert f"--hf-config {config} does not describe the checkpoint {tiny['mcore']}: " in err
     for needle in needles:
-        assert needle in out.stderr, out.stderr[-3000:]
+        assert needle in err, err[-3000:]
     assert _outputs_absent(tmp_path)
 
 

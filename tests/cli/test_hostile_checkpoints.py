@@ -2,9 +2,10 @@
 holds a payload that creates a marker file when unpickled: the payload never runs, every rank exits
 with status 2, and no rank prints a traceback.
 
-Multi-rank cases start each rank as its own process (the torchrun environment by hand), so each
-rank's exit status and stderr are checked; every run has a timeout, so a rank left waiting in a
-collective fails the test instead of hanging it.
+Commands refused on one rank before any collective run in this process, through `main` (what
+`python -m megatron_lora` calls). Multi-rank cases start each rank as its own process (the torchrun
+environment by hand), so each rank's exit status and stderr are checked; every run has a timeout,
+so a rank left waiting in a collective fails the test instead of hanging it.
 """
 
 import json
@@ -20,7 +21,6 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 
 from tests.runtime.hostile import metadata_payloads, run_unsafely, torch_payloads
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "linear_qkv",
         "linear_proj"]
 
@@ -57,18 +57,14 @@ def _run(args, ranks=1, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory):
+def good(tmp_path_factory, tiny_example):
     """A tiny HF Mixtral and its data, its torch_dist conversion and a 1-step adapter run saved
     by 2 ranks (so each rank has its own RNG file)."""
-    from megatron_lora.convert.hf_to_mcore import hf_to_mcore
-
     root = tmp_path_factory.mktemp("hostile")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tiny_example.py"),
-                    "--out", str(root), "--samples", "32"], check=True, capture_output=True)
+    tiny_example(root, samples=32, mcore=True)
     paths = {"hf": str(root / "hf"), "data": str(root / "data.jsonl"),
              "mcore": str(root / "mcore"), "run": str(root / "run"),
              "tokens": str(root / "tokens.json")}
-    hf_to_mcore(paths["hf"], paths["mcore"], progress=False)
     json.dump([[1, 2, 3, 4, 5, 6, 7, 8]], open(paths["tokens"], "w"))
     results = _run(_train_args(paths, paths["run"], 1), ranks=2)
     assert all(rc == 0 for rc, _ in results), results[0][1][-3000:]
@@ -171,7 +167,13 @@ def test_hostile_checkpoint_one_process_commands(good, tmp_path, capsys, command
     ("logits --adapter", "common"),
     ("train --load", "metadata"),
 ])
-def test_hostile_checkpoint_distributed_commands(good, tmp_path, command, which):
+def test_hostile_checkpoint_distributed_commands(good, tmp_path, capsys, monkeypatch, command,
+                                                 which):
+    """The commands torchrun starts, as one rank: the checkpoint is read (and refused) before the
+    process group is made, so they run in this process with a one-rank environment."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        monkeypatch.setenv(k, v)
     marker, bad, out = str(tmp_path / "marker"), str(tmp_path / "bad"), str(tmp_path / "out")
     adapter = os.path.join(good["run"], "iter_0000001")
     kind, data = _hostile_copy(adapter if command == "logits --adapter" else good["mcore"], bad,
@@ -182,7 +184,7 @@ def test_hostile_checkpoint_distributed_commands(good, tmp_path, command, which)
                              good["tokens"], "--out", out],
         "train --load": _train_args(good, out, 1, source=("--load", bad)),
     }[command]
-    _assert_refused(_run(args), marker, kind, data, _needle(which))
+    _assert_refused(_in_process(args, capsys), marker, kind, data, _needle(which))
     assert not os.path.exists(out)
 
 

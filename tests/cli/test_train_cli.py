@@ -11,15 +11,10 @@ import time
 import psutil
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tiny_example.py"),
-                    "--out", str(out), "--samples", "96"], check=True, capture_output=True)
-    return str(out)
+def tiny(tmp_path_factory, tiny_example):
+    return tiny_example(tmp_path_factory.mktemp("tiny"), samples=96)
 
 
 def _cmd(tiny, save, iters, *extra, ranks=2):
@@ -38,6 +33,27 @@ def _cmd(tiny, save, iters, *extra, ranks=2):
 
 def _env():
     return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+@pytest.fixture
+def single_rank_env(monkeypatch):
+    """The environment of a plain one-process run, restored after the test (`train` sets the
+    torchrun variables it finds missing)."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", str(29600 + (os.getpid() % 200) + 1))):
+        monkeypatch.setenv(k, v)
+
+
+def _in_process(cmd, capsys):
+    """(exit status, stderr) of a one-process command `python -m megatron_lora ARGS` run through
+    `main` in this process (what that module calls). Only for runs refused before any collective:
+    they make no process group, so nothing stays behind here."""
+    from megatron_lora.cli import main
+
+    assert cmd[:3] == [sys.executable, "-m", "megatron_lora"], cmd
+    code = main(cmd[3:])
+    return code, capsys.readouterr().err
 
 
 def _losses(text):
@@ -90,7 +106,8 @@ def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
     ("layout", "ep=3 does not divide num_experts=4"),
     ("target", "unknown LoRA target 'qproj'"),
 ])
-def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, change, message):
+def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, capsys, single_rank_env,
+                                                   change, message):
     args = []
     data = os.path.join(tiny, "data.jsonl")
     if change == "malformed":
@@ -106,10 +123,10 @@ def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, change, mess
         args = ["--lora-target-modules", "qproj"]  # the later flag wins
     cmd = _cmd(tiny, str(tmp_path / "run"), 2, *args, ranks=1)
     cmd[cmd.index("--data-path") + 1] = data
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=200)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr
+    code, err = _in_process(cmd, capsys)
+    assert code == 2, err[-2000:]
+    assert message in err
+    assert "Traceback" not in err
     assert not os.path.exists(tmp_path / "run")  # nothing written
 
 
@@ -124,16 +141,16 @@ def test_resume_with_another_lora_rank_is_refused(tiny, tmp_path):
     assert out.returncode == 2 and "was written with" in out.stderr and "'r': 4" in out.stderr
 
 
-def test_a_tracker_naming_a_missing_iteration_is_a_clear_error(tiny, tmp_path):
+def test_a_tracker_naming_a_missing_iteration_is_a_clear_error(tiny, tmp_path, capsys,
+                                                               single_rank_env):
     save = tmp_path / "run"
     (save / "iter_0000003").mkdir(parents=True)
     tracker = save / "latest_checkpointed_iteration.txt"
     tracker.write_text("6\n")  # iter_0000006 was deleted, or the folder copied without it
-    out = subprocess.run(_cmd(tiny, str(save), 2, ranks=1), capture_output=True, text=True,
-                         env=_env(), timeout=200)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
-    assert f"{tracker} names iteration 6 but {save / 'iter_0000006'} does not exist" in out.stderr
-    assert "or write one of the complete iterations here, [3], into it" in out.stderr  # what to do
+    code, err = _in_process(_cmd(tiny, str(save), 2, ranks=1), capsys)
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    assert f"{tracker} names iteration 6 but {save / 'iter_0000006'} does not exist" in err
+    assert "or write one of the complete iterations here, [3], into it" in err  # what to do
     assert tracker.read_text() == "6\n" and sorted(os.listdir(save)) == [
         "iter_0000003", "latest_checkpointed_iteration.txt"]  # nothing touched

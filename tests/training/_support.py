@@ -15,13 +15,14 @@ SEQ = 32
 TRAINABLE = ("linear_proj", "linear_fc2", "input_layernorm")
 
 
-def dataset(seed: int = 5) -> PackedDataset:
-    samples = []
-    for i in range(48):
+def dataset(seed: int = 5, samples: int = 48) -> PackedDataset:
+    """`samples` short texts, one per packed sequence of SEQ tokens."""
+    rows = []
+    for i in range(samples):
         text = f"{i} squared is {i * i}."
         ids = [256] + list(text.encode()) + [257]
-        samples.append(Sample(ids, [1] * len(ids)))
-    return PackedDataset(pack_samples(samples, SEQ, pad_id=258), seed=seed)
+        rows.append(Sample(ids, [1] * len(ids)))
+    return PackedDataset(pack_samples(rows, SEQ, pad_id=258), seed=seed)
 
 
 def model(layout, weights_dir=None):

@@ -220,19 +220,23 @@ class MixtralInfo:
             gated_linear_unit=True)
         return config_problems(lora, sizes, s.vocab_size, **names)
 
-    def layout_problems(self, layout: ParallelLayout, world_size: int) -> list:
-        """Every reason `layout` cannot run this model on `world_size` ranks (pure, no comms)."""
-        problems = layout.problems(world_size, **self.shape.layout_sizes())
+    def layout_problems(self, layout: ParallelLayout, world_size: int,
+                        flags: bool = False) -> list:
+        """Every reason `layout` cannot run this model on `world_size` ranks (pure, no comms);
+        flags: name the settings by their CLI flags (ParallelLayout.problems)."""
+        problems = layout.problems(world_size, flags=flags, **self.shape.layout_sizes())
         if self.shape.vocab_size % layout.tp:
+            tp = (f"--tensor-model-parallel-size {layout.tp}" if flags else f"tp={layout.tp}")
             problems.append(
-                f"tp={layout.tp} does not divide the padded vocabulary {self.shape.vocab_size} "
+                f"{tp} does not divide the padded vocabulary {self.shape.vocab_size} "
                 f"(vocab_size={self.vocab_size} padded to a multiple of {VOCAB_MULTIPLE})"
             )
         return problems
 
-    def validate_layout(self, layout: ParallelLayout, world_size: int) -> None:
+    def validate_layout(self, layout: ParallelLayout, world_size: int,
+                        flags: bool = False) -> None:
         """Raise LayoutError on every rank, before any collective, if the layout does not fit."""
-        problems = self.layout_problems(layout, world_size)
+        problems = self.layout_problems(layout, world_size, flags)
         if problems:
             raise LayoutError(problems)
 

@@ -19,6 +19,39 @@ class LayoutError(ValueError):
         super().__init__("invalid parallel layout:\n  - " + "\n  - ".join(self.problems))
 
 
+# Megatron-LM's flag for each layout field (the CLI's names in error messages).
+CLI_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+             "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size",
+             "sp": "--sequence-parallel"}
+
+
+class _namer:
+    """How problems() names the layout's settings: field names, or the CLI's flags."""
+
+    def __init__(self, layout, flags: bool):
+        self.layout, self.flags = layout, flags
+
+    def _get(self, field):
+        return self.layout.expert_tp if field == "etp" else getattr(self.layout, field)
+
+    def name(self, field: str) -> str:
+        return CLI_FLAGS[field] if self.flags else field
+
+    def value(self, field: str) -> str:  # tp=2 / --tensor-model-parallel-size 2
+        return f"{self.name(field)}{' ' if self.flags else '='}{self._get(field)}"
+
+    def on(self, field: str) -> str:  # sp=True / --sequence-parallel
+        return CLI_FLAGS[field] if self.flags else f"{field}=True"
+
+    def product(self, *fields: str) -> str:  # tp*pp = 2*1 = 2
+        sep = " x " if self.flags else "*"
+        total = 1
+        for f in fields:
+            total *= self._get(f)
+        return (f"{sep.join(self.name(f) for f in fields)} = "
+                f"{sep.join(str(self._get(f)) for f in fields)} = {total}")
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """How a model is split over ranks. Field names follow Megatron-LM's flags.
@@ -65,46 +98,48 @@ class ParallelLayout:
         num_experts: Optional[int] = None,  # 0: a dense model; None: not checked
         ffn_hidden_size: Optional[int] = None,
         moe_ffn_hidden_size: Optional[int] = None,
+        flags: bool = False,
     ) -> List[str]:
-        """Every reason this layout cannot run on `world_size` ranks for a model of these sizes."""
+        """Every reason this layout cannot run on `world_size` ranks for a model of these sizes.
+
+        flags: name the settings by these command-line flags (CLI_FLAGS) instead of the field
+        names (`tp=2` becomes `--tensor-model-parallel-size 2`)."""
+        say = _namer(self, flags)
         out: List[str] = []
         mp = self.tp * self.pp
         if world_size % mp:
-            out.append(
-                f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp} = {mp}"
-            )
+            out.append(f"world size {world_size} is not a multiple of {say.product('tp', 'pp')}")
         expert_mp = self.ep * self.expert_tp * self.pp
         if world_size % expert_mp:
-            out.append(
-                f"world size {world_size} is not a multiple of ep*etp*pp = "
-                f"{self.ep}*{self.expert_tp}*{self.pp} = {expert_mp}"
-            )
+            out.append(f"world size {world_size} is not a multiple of "
+                       f"{say.product('ep', 'etp', 'pp')}")
         if self.sp and self.tp == 1:
-            out.append("sequence parallelism (sp) needs tp > 1")
+            out.append(f"sequence parallelism ({say.name('sp')}) needs {say.name('tp')} > 1")
         if num_layers is not None and num_layers % self.pp:
-            out.append(f"pp={self.pp} does not divide num_layers={num_layers}")
+            out.append(f"{say.value('pp')} does not divide num_layers={num_layers}")
         if num_attention_heads is not None and num_attention_heads % self.tp:
-            out.append(f"tp={self.tp} does not divide num_attention_heads={num_attention_heads}")
+            out.append(f"{say.value('tp')} does not divide num_attention_heads={num_attention_heads}")
         if num_query_groups is not None and num_query_groups % self.tp:
-            out.append(f"tp={self.tp} does not divide num_query_groups={num_query_groups}")
+            out.append(f"{say.value('tp')} does not divide num_query_groups={num_query_groups}")
         if num_experts == 0 and self.ep > 1:
-            out.append(f"ep={self.ep} needs a model with experts (this model has none)")
+            out.append(f"{say.value('ep')} needs a model with experts (this model has none)")
         elif num_experts:
             if num_experts % self.ep:
-                out.append(f"ep={self.ep} does not divide num_experts={num_experts}")
+                out.append(f"{say.value('ep')} does not divide num_experts={num_experts}")
             if self.tp > 1 and not self.sp:
-                out.append("MoE with tp > 1 needs sequence parallelism (sp=True) in megatron-core")
+                out.append(f"MoE with {say.name('tp')} > 1 needs sequence parallelism "
+                           f"({say.on('sp')}) in megatron-core")
         if ffn_hidden_size is not None and ffn_hidden_size % self.tp:
-            out.append(f"tp={self.tp} does not divide ffn_hidden_size={ffn_hidden_size}")
+            out.append(f"{say.value('tp')} does not divide ffn_hidden_size={ffn_hidden_size}")
         if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % self.expert_tp:
             out.append(
-                f"etp={self.expert_tp} does not divide moe_ffn_hidden_size={moe_ffn_hidden_size}"
+                f"{say.value('etp')} does not divide moe_ffn_hidden_size={moe_ffn_hidden_size}"
             )
         return out
 
-    def validate(self, world_size: int, **model_sizes) -> None:
+    def validate(self, world_size: int, flags: bool = False, **model_sizes) -> None:
         """Raise LayoutError listing every problem; identical on every rank, no communication."""
-        problems = self.problems(world_size, **model_sizes)
+        problems = self.problems(world_size, flags=flags, **model_sizes)
         if problems:
             raise LayoutError(problems)
 

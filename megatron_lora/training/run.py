@@ -45,7 +45,7 @@ def _setup_checks(args, layout, world_size):
             from megatron_lora.convert.hf_to_mcore import read_mcore_info
 
             info, hf = read_mcore_info(args.load, args.hf_config), None
-        info.validate_layout(layout, world_size)
+        info.validate_layout(layout, world_size, flags=True)
         from megatron_lora.convert.checks import check_before_build  # config vs checkpoint, memory
 
         check_before_build(info, layout, torch.bfloat16 if args.bf16 else torch.float32,

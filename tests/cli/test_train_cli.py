@@ -103,7 +103,7 @@ def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
 @pytest.mark.parametrize("change,message", [
     ("malformed", "data.jsonl:3: not valid JSON"),
     ("batch", "global_batch_size=6 is not a multiple of micro_batch_size=4"),
-    ("layout", "ep=3 does not divide num_experts=4"),
+    ("layout", "--expert-model-parallel-size 3 does not divide num_experts=4"),
     ("target", "unknown LoRA target 'qproj'"),
 ])
 def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, capsys, single_rank_env,

@@ -150,7 +150,8 @@ def test_bad_layout_fails_on_every_rank_before_any_collective(tiny_mixtral, tmp_
     # Each rank raises before any collective; torchrun stops the others once the first exits,
     # so not every rank always gets to print (the harness test of runtime.initialize checks
     # that every rank raises).
-    assert proc.stderr.count("tp=3 does not divide num_attention_heads=4") >= 1, proc.stderr[-3000:]
+    message = "--tensor-model-parallel-size 3 does not divide num_attention_heads=4"
+    assert proc.stderr.count(message) >= 1, proc.stderr[-3000:]
     assert not os.path.exists(out)
 
 

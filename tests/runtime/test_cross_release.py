@@ -6,6 +6,7 @@ The other release lives in the repository's other environment (`.venv` holds the
 interpreters. CI builds both environments, so this runs there in the second suite run.
 """
 
+import concurrent.futures
 import glob
 import json
 import os
@@ -85,41 +86,73 @@ def environments():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_example):
     out = tmp_path_factory.mktemp("cross_release")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tiny_example.py"),
-                    "--out", str(out), "--samples", "32"], check=True, capture_output=True)
+    tiny_example(out, samples=32)
     with open(out / "tokens.json", "w") as f:
         json.dump([[1, 5, 9, 77, 120, 33, 2, 8], [4, 4, 200, 17, 6, 90, 11, 3]], f)
     return str(out)
 
 
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("direction", ["other_to_ours", "ours_to_other"])
-def test_checkpoints_load_across_releases(environments, tiny, tmp_path, direction):
-    writer, reader = ((environments["other"], environments["ours"]) if direction == "other_to_ours"
-                      else (environments["ours"], environments["other"]))
-    (w_python, w_release), (r_python, r_release) = writer, reader
-    base, run = str(tmp_path / "base"), str(tmp_path / "run")
+def _direction(writer, reader, tiny, root):
+    """Every command of one direction, in order: the writing release converts, trains 2 steps and
+    computes logits; the reading release computes logits with and without the adapter and resumes
+    the run for a third step. Returns what the test checks."""
+    (w_python, _), (r_python, _) = writer, reader
+    base, run = os.path.join(root, "base"), os.path.join(root, "run")
     tokens = os.path.join(tiny, "tokens.json")
     _run(w_python, "convert", "hf-to-mcore", "--hf-dir", os.path.join(tiny, "hf"), "--save", base,
          "--no-progress")
     _train(w_python, tiny, base, run, iters=2)
-    written = _logits(w_python, base, run, tokens, str(tmp_path / "written.safetensors"))
-    read = _logits(r_python, base, run, tokens, str(tmp_path / "read.safetensors"))
+    written = _logits(w_python, base, run, tokens, os.path.join(root, "written.safetensors"))
+    read = _logits(r_python, base, run, tokens, os.path.join(root, "read.safetensors"))
+    plain = _run(r_python, "logits", "--load", base, "--tokens", tokens,
+                 "--out", os.path.join(root, "plain.safetensors"))
+    resumed = os.path.join(root, "resumed")
+    shutil.copytree(run, resumed)
+    proc = _train(r_python, tiny, base, resumed, iters=3)
+    return dict(written=written, read=read, plain=plain,
+                plain_logits=load_file(os.path.join(root, "plain.safetensors"))["logits"],
+                resumed=proc)
+
+
+DIRECTIONS = ["other_to_ours", "ours_to_other"]
+
+
+@pytest.fixture(scope="module")
+def directions(environments, tiny, tmp_path_factory):
+    """{direction: a future of `_direction`'s result}. The two directions are independent chains
+    of one-process commands, so they run side by side (one core each on a 2-core machine)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(DIRECTIONS))
+    futures = {}
+    for direction in DIRECTIONS:
+        writer, reader = ((environments["other"], environments["ours"])
+                          if direction == "other_to_ours"
+                          else (environments["ours"], environments["other"]))
+        root = str(tmp_path_factory.mktemp(direction))
+        futures[direction] = pool.submit(_direction, writer, reader, tiny, root)
+    yield futures
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_checkpoints_load_across_releases(environments, directions, direction):
+    writer, reader = ((environments["other"], environments["ours"]) if direction == "other_to_ours"
+                      else (environments["ours"], environments["other"]))
+    (_, w_release), (_, r_release) = writer, reader
+    got = directions[direction].result(timeout=1700)  # re-raises a failed command's assertion
+    written, read = got["written"], got["read"]
     assert written.shape == read.shape
     diff = (written - read).abs().max().item()
     assert diff <= 1e-5, f"logits of a {w_release} checkpoint differ under {r_release} by {diff}"
     # The adapter changed the model: the comparison above is not of two base models.
-    plain = _run(r_python, "logits", "--load", base, "--tokens", tokens,
-                 "--out", str(tmp_path / "plain.safetensors"))
+    plain = got["plain"]
     assert plain.returncode == 0
-    assert (load_file(str(tmp_path / "plain.safetensors"))["logits"] - read).abs().max() > 1e-4
+    assert (got["plain_logits"] - read).abs().max() > 1e-4
 
     # The reading release resumes the run (optimizer state, scheduler, RNG) and trains on.
-    resumed = str(tmp_path / "resumed")
-    shutil.copytree(run, resumed)
-    proc = _train(r_python, tiny, base, resumed, iters=3)
+    proc = got["resumed"]
     assert re.search(r"iteration\s+3/\s*3\b", proc.stdout), proc.stdout[-2000:]
     assert not re.search(r"iteration\s+[12]/", proc.stdout), "the resumed run started over"
     assert torch.isfinite(read).all()

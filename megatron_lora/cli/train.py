@@ -61,6 +61,18 @@ def register(sub) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--bf16", action="store_true", help="bf16 model and activations (default fp32)")
     t.add_argument("--seed", type=int, default=1234)
+    rc = p.add_argument_group("activation recomputation (Megatron-LM's flags)")
+    rc.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                    help="full: keep only the input of checkpointed layers and run them again in "
+                    "backward; selective: recompute only --recompute-modules")
+    rc.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                    help="with full: uniform checkpoints every chunk of --recompute-num-layers "
+                    "layers, block the first --recompute-num-layers layers of each pipeline stage")
+    rc.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                    help="with full: layers per chunk (uniform) or per stage (block)")
+    rc.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                    help="with selective: core_attn (the default: attention scores and "
+                    "probabilities) and/or moe (the whole MoE layer)")
     lo = p.add_argument_group("LoRA")
     lo.add_argument("--lora-rank", type=int, default=16)
     lo.add_argument("--lora-alpha", type=float, default=32.0)

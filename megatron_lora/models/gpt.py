@@ -146,7 +146,7 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=Non
         block_spec = local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend)
     elif attention_backend is not None:
         raise ValueError("build_gpt_model: pass attention_backend or block_spec, not both")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec,
         vocab_size=shape.vocab_size,
@@ -158,6 +158,11 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=Non
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base),
     )
+    from megatron_lora.models.recompute import recomputes_parameters, require_decoder_input_grad
+
+    if recomputes_parameters(config):  # frozen embeddings: see models/recompute.py
+        require_decoder_input_grad(model)
+    return model
 
 
 def shape_dict(shape: ModelShape) -> dict:

@@ -21,16 +21,24 @@ Fixes (see `install()`):
                     they are moved to host numpy arrays first); all_to_all_single wants lists
   uneven_gather     mappings._gather_along_first_dim / _reduce_scatter_along_first_dim with split
                     sizes (alltoall dispatcher under TP+SP) use list collectives gloo refuses
+  recompute_rng     tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state, reached from
+                    _get_all_rng_states / _set_all_rng_states, which activation recomputation
+                    (CheckpointFunction, CheckpointWithoutOutput) calls to save the RNG states
+                    before a checkpointed forward and restore them before recomputing it
+  recompute_device  the recomputed forward runs inside autograd's backward, where torch does not
+                    apply the process's TorchFunctionMode (device_mode): CheckpointFunction.backward
+                    and CheckpointWithoutOutput._recompute enter it again
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Dict
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 _INSTALLED: Dict[str, bool] = {}
 # What each fix replaced, so tests can show that the original really fails on CPU.
@@ -168,6 +176,36 @@ def _gloo_safe_reduce_scatter_along_first_dim(original):
 
 
 # --------------------------------------------------------------------------------------------
+# recompute_rng: no CUDA generator to save or restore.
+# --------------------------------------------------------------------------------------------
+def _no_cuda_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Stands in for tensor_parallel.random._get_cuda_rng_state on CPU: an empty uint8 tensor.
+
+    There is no CUDA generator to save. What a recomputed forward must see again is saved by
+    megatron's own calls next to this one: the CPU default generator (`torch.get_rng_state()`,
+    which dropout, and LoRA's dropout keys, draw from on CPU) and the named tracker streams
+    (CpuRNGStatesTracker.get_states, CPU generator states)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state=None, device: int = -1, graph_safe: bool = False) -> None:
+    """Stands in for tensor_parallel.random._set_cuda_rng_state on CPU: nothing to restore."""
+
+
+def _in_device_mode(fn):
+    """`fn` run inside a CpuDeviceMode unless one is active already (recompute_device)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if any(isinstance(m, CpuDeviceMode) for m in _get_current_function_mode_stack()):
+            return fn(*args, **kwargs)
+        with CpuDeviceMode():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
 # install
 # --------------------------------------------------------------------------------------------
 def install() -> Dict[str, bool]:
@@ -238,6 +276,24 @@ def install() -> Dict[str, bool]:
         mappings._reduce_scatter_along_first_dim
     )
     _INSTALLED["uneven_gather"] = True
+
+    # recompute_rng: _get_all_rng_states / _set_all_rng_states look these names up in the module
+    # when called, so replacing the module attributes reaches every checkpoint function.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    ORIGINALS["recompute_rng"] = mrandom._get_cuda_rng_state
+    mrandom._get_cuda_rng_state = _no_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_no_cuda_rng_state
+    _INSTALLED["recompute_rng"] = True
+
+    # recompute_device: autograd looks `backward` up on the Function class at each call, and
+    # CheckpointWithoutOutput registers its bound `_recompute` as a hook after this runs.
+    ORIGINALS["recompute_device"] = mrandom.CheckpointFunction.backward
+    mrandom.CheckpointFunction.backward = staticmethod(
+        _in_device_mode(mrandom.CheckpointFunction.backward))
+    mrandom.CheckpointWithoutOutput._recompute = _in_device_mode(
+        mrandom.CheckpointWithoutOutput._recompute)
+    _INSTALLED["recompute_device"] = True
     return dict(_INSTALLED)
 
 

@@ -74,6 +74,7 @@ def _setup_checks(args, layout, world_size):
             problems.append(f"--seq-length {args.seq_length} exceeds the model's "
                             f"max_position_embeddings {info.shape.max_position_embeddings}")
         problems += _attention_backend_problems(args)
+        problems += _recompute_problems(args, info.shape.num_layers // layout.pp)
         if getattr(args, "moe_grouped_gemm", None) and args.transformer_impl != "local":
             problems.append("--moe-grouped-gemm builds grouped experts from the local layers; use "
                             "it with --transformer-impl local (or pass --no-moe-grouped-gemm)")
@@ -109,6 +110,18 @@ def _attention_backend_problems(args) -> list:
         return [f"--attention-backend {backend} selects the local layers' core attention; use it "
                 "with --transformer-impl local (Transformer Engine layers use their own)"]
     return []
+
+
+def _recompute_settings(args) -> tuple:
+    return tuple(getattr(args, name, None) for name in (
+        "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"))
+
+
+def _recompute_problems(args, layers_per_stage: int) -> list:
+    """--recompute-* flags against the model's layers per pipeline stage (models/recompute.py)."""
+    from megatron_lora.models.recompute import recompute_problems
+
+    return recompute_problems(*_recompute_settings(args), layers_per_stage)
 
 
 def _check_outputs(args) -> None:
@@ -156,6 +169,7 @@ def run_training(args) -> int:
     from megatron_lora.convert.load import load_hf, load_mcore
     from megatron_lora.lora.model import apply_lora
     from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.recompute import recompute_overrides
     from megatron_lora.training.loop import ResumeMismatchError, train
 
     torchrun_env_defaults(29519)
@@ -170,7 +184,9 @@ def run_training(args) -> int:
     runtime.initialize(layout, seed=args.seed, model_sizes=info.shape.layout_sizes())
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = build_mixtral_model(info, mixtral_config(info, layout, dtype=dtype,
-                                                     dispatcher=args.moe_token_dispatcher_type),
+                                                     dispatcher=args.moe_token_dispatcher_type,
+                                                     **recompute_overrides(
+                                                         *_recompute_settings(args))),
                                 use_te=args.transformer_impl == "transformer_engine",
                                 attention_backend=getattr(args, "attention_backend", None),
                                 moe_grouped_gemm=getattr(args, "moe_grouped_gemm", None))

@@ -65,8 +65,15 @@ def _losses(text):
 DROPOUT_EP2 = ("--expert-model-parallel-size", "2", "--lora-dropout", "0.1")
 
 
+# The uninterrupted run recomputes activations and the killed and resumed one does not: the
+# losses must still be bit-identical (recomputation restores the RNG states, so the recomputed
+# forward redraws the same dropout keys).
+RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "block",
+             "--recompute-num-layers", "1")
+
+
 def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
-    straight = subprocess.run(_cmd(tiny, str(tmp_path / "a"), 6, *DROPOUT_EP2),
+    straight = subprocess.run(_cmd(tiny, str(tmp_path / "a"), 6, *DROPOUT_EP2, *RECOMPUTE),
                               capture_output=True, text=True, env=_env(), timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
     expected = _losses(straight.stdout)
@@ -105,6 +112,7 @@ def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
     ("batch", "global_batch_size=6 is not a multiple of micro_batch_size=4"),
     ("layout", "--expert-model-parallel-size 3 does not divide num_experts=4"),
     ("target", "unknown LoRA target 'qproj'"),
+    ("recompute", "--recompute-method applies to --recompute-granularity full only"),
 ])
 def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, capsys, single_rank_env,
                                                    change, message):
@@ -121,6 +129,8 @@ def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, capsys, sing
         args = ["--expert-model-parallel-size", "3"]
     elif change == "target":
         args = ["--lora-target-modules", "qproj"]  # the later flag wins
+    elif change == "recompute":
+        args = ["--recompute-granularity", "selective", "--recompute-method", "uniform"]
     cmd = _cmd(tiny, str(tmp_path / "run"), 2, *args, ranks=1)
     cmd[cmd.index("--data-path") + 1] = data
     code, err = _in_process(cmd, capsys)

@@ -52,8 +52,12 @@ def _run(args) -> int:
         if args.format == "peft":
             from megatron_lora.export.to_peft import export_peft
 
+            notes = []
             config = export_peft(args.adapter, args.save, hf_config=args.load_hf,
-                                 overwrite=args.overwrite, base_model=args.base_model_name)
+                                 overwrite=args.overwrite, base_model=args.base_model_name,
+                                 notes=notes)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
             print(f"target_modules {config['target_modules']}, r={config['r']}, "
                   f"lora_alpha={config['lora_alpha']}, rank_pattern={config['rank_pattern']}, "
                   f"alpha_pattern={config['alpha_pattern']}", file=sys.stderr)

@@ -61,6 +61,14 @@ def register(sub) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--bf16", action="store_true", help="bf16 model and activations (default fp32)")
     t.add_argument("--seed", type=int, default=1234)
+    sched = t.add_mutually_exclusive_group()
+    sched.add_argument("--override-opt_param-scheduler", action="store_true",
+                       help="on resume, take every LR scheduler setting (--lr, --min-lr, "
+                       "--lr-warmup-iters, --lr-decay-style, --train-iters, --weight-decay) from "
+                       "the command line, ignoring the checkpoint's")
+    sched.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                       help="on resume, take every LR scheduler setting from the checkpoint "
+                       "(default: they must match, except --train-iters, the decay horizon)")
     rc = p.add_argument_group("activation recomputation (Megatron-LM's flags)")
     rc.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                     help="full: keep only the input of checkpointed layers and run them again in "

@@ -157,6 +157,31 @@ def read_adapter_config(directory: str) -> PeftLora:
                     path=path)
 
 
+# Module names (PEFT's short names) that transformers 5 keeps as bare parameters rather than
+# nn.Linear: the fused experts (w1/w3 -> gate_up_proj [E, 2f, h], w2 -> down_proj [E, h, f]) and
+# the router's weight. PEFT adapts them with lora.ParamWrapper, which refuses lora_dropout != 0
+# (it cannot apply dropout to the input of a parameter), so PeftModel.from_pretrained fails on an
+# adapter_config.json that targets them with dropout.
+PARAMETER_MODULES = ("gate", "w1", "w3", "w2")
+
+
+def inference_dropout(lora_dropout: float, target_modules: List[str]) -> Tuple[float, List[str]]:
+    """(lora_dropout for adapter_config.json, notes saying what was changed and why).
+
+    Dropout is a training-time setting: PEFT applies it only in train mode, so inference (and
+    merging) computes the same update with any value. 0 where PEFT's ParamWrapper requires it
+    (PARAMETER_MODULES targeted), else the trained value."""
+    wrapped = [m for m in target_modules if m in PARAMETER_MODULES]
+    if not lora_dropout or not wrapped:
+        return lora_dropout, []
+    return 0.0, [
+        f"lora_dropout={lora_dropout} (the training setting) written as 0 in {CONFIG_NAME}: "
+        f"transformers 5 keeps {', '.join(wrapped)} as fused parameters, and PEFT's "
+        f"lora.ParamWrapper, which adapts them, refuses lora_dropout != 0. Dropout acts only in "
+        f"training, so inference and merged weights are unchanged; set lora_dropout again to "
+        f"train further with PEFT on transformers 4's per-expert modules"]
+
+
 def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_modules: List[str],
                         rank_pattern: Dict[str, int], alpha_pattern: Dict[str, float],
                         lora_dropout: float = 0.0, base_model: Optional[str] = None) -> dict:

@@ -10,7 +10,9 @@ value is copied bit for bit in the checkpoint's dtype. Peak memory: about one ad
 twice (read + split). `adapter_config.json` gets `r` / `lora_alpha` (the experts' values when they
 are targeted, else the most common ones), `use_rslora`, `target_modules` and `rank_pattern` /
 `alpha_pattern` entries for the modules whose values differ (by module name such as `q_proj`, or
-by full path when instances of one module differ).
+by full path when instances of one module differ). `lora_dropout` is the trained value, or 0 when
+the experts or the router are targeted (PEFT's ParamWrapper, which adapts transformers 5's fused
+parameters, refuses dropout; dropout does not act at inference): `notes` says so.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ import json
 import os
 import re
 from collections import Counter
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_lora.convert.atomic import atomic_directory
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter
 from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
-from megatron_lora.export.peft_config import CONFIG_NAME, WEIGHTS_NAME, adapter_config_dict
+from megatron_lora.export.peft_config import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    adapter_config_dict,
+    inference_dropout,
+)
 from megatron_lora.export.table import module_of, peft_keys, short_name, sites, split_rows
 from megatron_lora.models.mixtral import read_hf_config
 
@@ -64,11 +71,12 @@ def _default(values: Dict[str, Tuple[int, float]]) -> Tuple[int, float]:
 
 
 def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = False,
-                base_model: str = None) -> dict:
+                base_model: str = None, notes: Optional[List[str]] = None) -> dict:
     """Write `save/adapter_model.safetensors` and `save/adapter_config.json`; returns the config.
 
     adapter: adapter checkpoint (iteration folder, or a run folder with a tracker).
-    hf_config: the base model's config.json (or its folder; nothing else is read)."""
+    hf_config: the base model's config.json (or its folder; nothing else is read).
+    notes: when given, a list that gets one line per setting changed for inference (and why)."""
     prepare_output_dir(save, overwrite=overwrite,
                        inputs={"--adapter": adapter, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
@@ -91,10 +99,13 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     default = _default(values)
     rank_p, alpha_p = _patterns(values, default)
     shorts = sorted({short_name(m) for m in values}, key=_ORDER.index)
+    dropout, changed = inference_dropout(ckpt.config.lora_dropout, shorts)
+    if notes is not None:
+        notes.extend(changed)
     config = adapter_config_dict(
         r=default[0], lora_alpha=default[1], use_rslora=ckpt.config.use_rslora,
         target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
-        lora_dropout=ckpt.config.lora_dropout, base_model=base_model)
+        lora_dropout=dropout, base_model=base_model)
     with atomic_directory(save, overwrite) as tmp:
         with StreamingSafetensorsWriter(os.path.join(tmp, WEIGHTS_NAME), entries) as w:
             for site in plan:

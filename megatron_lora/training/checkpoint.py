@@ -369,6 +369,18 @@ def read_run_metadata(path: str) -> Dict:
     return saved["common"]
 
 
+def read_scheduler_state(path: str) -> Dict:
+    """The LR scheduler's saved state (megatron OptimizerParamScheduler.state_dict(): max_lr,
+    min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, num_steps, weight decay fields) of a
+    training checkpoint; plain data, no collective."""
+    directory = resolve(path)
+    saved = load_common_state(directory)
+    if not isinstance(saved, dict) or not isinstance(saved.get("scheduler"), dict):
+        raise CheckpointFileError(os.path.join(directory, "common.pt"),
+                                  "has no 'scheduler' dict: not a training checkpoint")
+    return saved["scheduler"]
+
+
 def load_adapter_weights(model_chunks, path: str) -> Dict:
     """Load only the trainable (adapter) tensors of a checkpoint into a model that already has
     its adapters (apply_lora with the checkpoint's config); any layout. Collective."""

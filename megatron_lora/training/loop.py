@@ -8,7 +8,6 @@ of the global batch, and gradients are summed over data-parallel ranks (training
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -20,13 +19,13 @@ from megatron.core import parallel_state
 
 from megatron_lora.data.batches import PackedDataset
 from megatron_lora.training import checkpoint as ckpt
+from megatron_lora.training import resume
 from megatron_lora.training.logging import TrainingLog
 from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
+from megatron_lora.training.resume import ResumeMismatchError
 from megatron_lora.training.step import forward_backward
 
-
-class ResumeMismatchError(ValueError):
-    """A checkpoint that does not belong to this run's configuration (e.g. another LoRA rank)."""
+__all__ = ["ResumeMismatchError", "RunConfig", "TrainResult", "train", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -66,11 +65,28 @@ class RunConfig:
 
 @dataclass
 class TrainResult:
+    """losses: {iteration: loss} of the iterations this call trained; iteration: the last one
+    (start_iteration when it trained none); start_iteration: the iteration it resumed at (0 for
+    a fresh run), so it trained iterations start_iteration+1 .. iteration."""
+
     losses: Dict[int, float]
     iteration: int
     consumed_samples: int
     plot: Optional[str]
     checkpoint: Optional[str]
+    start_iteration: int = 0
+
+    @property
+    def trained_iterations(self) -> int:
+        return self.iteration - self.start_iteration
+
+    def describe(self) -> str:
+        """e.g. "trained 10 iterations (41-50)", "trained 0 iterations (checkpoint at 40)"."""
+        n = self.trained_iterations
+        if n == 0:
+            return f"trained 0 iterations (the checkpoint is at iteration {self.iteration})"
+        span = f"{self.start_iteration + 1}-{self.iteration}" if n > 1 else f"{self.iteration}"
+        return f"trained {n} iteration{'s' if n != 1 else ''} ({span})"
 
 
 def train(
@@ -95,21 +111,33 @@ def train(
     wrapped, optimizer, scheduler = wrap_for_training(model_chunks, optim)
     iteration, consumed = 0, 0
     source = load or run.save
+    notes: List[str] = []
     if source and ckpt.read_tracker(source) is not None:
-        # Compared before any tensor is read: a checkpoint of another LoRA rank would otherwise
-        # fail deep inside the loader with a shape error.
+        # Compared before any tensor is read (the same on every rank, no collective): a
+        # checkpoint of another LoRA rank would otherwise fail deep inside the loader with a
+        # shape error, and another LR schedule would be taken silently.
         saved_meta = ckpt.read_run_metadata(source).get("run_metadata")
-        if json.dumps(saved_meta, sort_keys=True) != json.dumps(run_metadata, sort_keys=True):
-            raise ResumeMismatchError(
-                f"checkpoint {source} was written with {saved_meta}, this run has {run_metadata}"
-            )
+        notes += resume.check_metadata(source, saved_meta, run_metadata)
+        saved_sched = ckpt.read_scheduler_state(source)
+        mode, sched_notes = resume.plan_scheduler(source, saved_sched, optim)
+        notes += sched_notes
+        resume.prepare(scheduler, mode)
         common = ckpt.load_checkpoint(source, wrapped, optimizer, scheduler, layout_name)
         iteration, consumed = int(common["iteration"]), int(common["consumed_samples"])
+        notes += resume.after_load(scheduler, optimizer, mode, saved_sched, iteration,
+                                   run.train_iters, source)
+    start_iteration = iteration
     rank0 = dist.get_rank() == 0
     log = TrainingLog(rank0, run.train_iters, run.tensorboard_dir, start_iteration=iteration)
     if rank0 and iteration:
         log.message(f"resumed from {source} at iteration {iteration} "
                     f"({consumed} samples consumed)")
+        for note in notes:
+            log.message(f"notice: {note}")
+        if iteration >= run.train_iters:
+            log.message(f"notice: the checkpoint is at iteration {iteration}, --train-iters is "
+                        f"{run.train_iters}: nothing to train (raise --train-iters to extend "
+                        f"the run)")
     losses: Dict[int, float] = {}
     # A run resumed from its own --save folder already has its checkpoint of `iteration`.
     last_saved = None
@@ -156,7 +184,7 @@ def train(
         plot = log.close(os.path.join(out_dir, "loss_curve.png"))
     else:
         log.close(None)
-    return TrainResult(losses, iteration, consumed, plot, last_saved)
+    return TrainResult(losses, iteration, consumed, plot, last_saved, start_iteration)
 
 
 def _save(run, iteration, consumed, wrapped, optimizer, scheduler, layout_name, run_metadata):

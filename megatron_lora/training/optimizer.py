@@ -34,8 +34,16 @@ class OptimConfig:
     # training/checkpoint.py saves in a layout-independent form. True opts into megatron's
     # distributed optimizer for runs that train without checkpoints.
     use_distributed_optimizer: bool = False
+    # Resuming (training/resume.py, Megatron-LM's flags): take every LR scheduler setting from
+    # this config (override) or from the checkpoint (use_checkpoint); neither: they must match
+    # the checkpoint's except train_iters, the decay horizon, which is this config's.
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
     def __post_init__(self):
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler and "
+                             "--use-checkpoint-opt_param-scheduler exclude each other")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:

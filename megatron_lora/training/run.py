@@ -89,7 +89,10 @@ def _setup_checks(args, layout, world_size):
             read_tracker(args.save)
         optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
                             lr_decay_style=args.lr_decay_style, train_iters=args.train_iters,
-                            weight_decay=args.weight_decay, clip_grad=args.clip_grad)
+                            weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                            **{k: getattr(args, k, False) for k in (
+                                "override_opt_param_scheduler",
+                                "use_checkpoint_opt_param_scheduler")})
         datasets = _datasets(args, info, run)
     except (ConversionError, MixtralConfigError, LayoutError, ValueError, OSError) as exc:
         if isinstance(exc, TrainSetupError):
@@ -211,7 +214,7 @@ def run_training(args) -> int:
         runtime.shutdown()
         raise TrainSetupError(str(exc)) from None
     if rank0:
-        print(f"trained {result.iteration} iterations in {time.monotonic() - start:.1f} s; "
+        print(f"{result.describe()} in {time.monotonic() - start:.1f} s; "
               f"final loss {result.losses.get(result.iteration, float('nan')):.4f}")
         if result.checkpoint:
             print(f"adapter checkpoint: {result.checkpoint}")

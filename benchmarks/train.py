@@ -5,8 +5,8 @@
 Both sides train the same small Mixtral (the same HF safetensors), on the same token batches, with
 LoRA on the same modules (by default q/k/v/o projections and every expert's fc1/fc2: w1/w3/w2, or
 transformers 5's fused gate_up_proj/down_proj through PEFT's target_parameters; see --targets),
-ours with its default experts module (grouped experts; --no-moe-grouped-gemm in train), fp32, world size 1, AdamW. Each side runs in its own process (so
-peak RSS is its own); sides alternate `--reps` times and the best tokens/s of each is kept, which
+ours with its default experts module (SequentialMLP on CPU, grouped experts on CUDA), fp32,
+world size 1, AdamW. Each side runs in its own process (so peak RSS is its own); sides alternate `--reps` times and the best tokens/s of each is kept, which
 keeps the ratio meaningful on a noisy machine. Ends with one JSON line.
 """
 

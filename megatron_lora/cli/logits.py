@@ -45,7 +45,8 @@ def register(sub) -> None:
                    "DotProductAttention, both on the local layers; default: the layers' own")
     p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="grouped experts (GroupedExperts, the same checkpoints as SequentialMLP, "
-                   "which --no-moe-grouped-gemm selects); default: on with the local layers")
+                   "which --no-moe-grouped-gemm selects); default: on with the local layers on "
+                   "CUDA GPUs, off on CPU")
     p.set_defaults(func=_run)
 
 

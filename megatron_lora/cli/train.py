@@ -39,7 +39,7 @@ def register(sub) -> None:
                      help="all local experts in one grouped matmul per weight and LoRA factor "
                      "(GroupedExperts; the same checkpoints as megatron's per-expert "
                      "SequentialMLP, which --no-moe-grouped-gemm selects). Default: on with "
-                     "--transformer-impl local")
+                     "--transformer-impl local on CUDA GPUs, off on CPU (slower there)")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", required=True, help="JSONL: {text} or {prompt, response} or "
                    "{messages}")

@@ -259,6 +259,11 @@ def te_available() -> bool:
     return True
 
 
+def default_grouped_experts() -> bool:
+    """What moe_grouped_gemm=None means for the local spec: grouped experts on CUDA only."""
+    return torch.cuda.is_available()
+
+
 def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = None,
                        attention_backend: Optional[str] = None,
                        moe_grouped_gemm: Optional[bool] = None):
@@ -272,7 +277,9 @@ def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[b
     TEDotProductAttention (None or "auto" only).
     moe_grouped_gemm: GroupedExperts (models/grouped_experts.py) instead of SequentialMLP in the
     local spec; checkpoints are the same either way. None (the default): grouped experts with
-    the local spec, SequentialMLP with the TE spec; True with the TE spec is refused.
+    the local spec on CUDA (where torch._grouped_mm runs them), SequentialMLP on CPU (where the
+    grouped loop measured 5-8% slower than SequentialMLP, docs/training.md) and with the TE
+    spec; True with the TE spec is refused.
     """
     from megatron_lora.models.specs import core_attention_class, local_block_spec
 
@@ -281,7 +288,8 @@ def mixtral_block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[b
         use_te = te_available() and torch.cuda.is_available()
     if not use_te:
         return local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend,
-                                moe_grouped_gemm=moe_grouped_gemm is not False)
+                                moe_grouped_gemm=default_grouped_experts()
+                                if moe_grouped_gemm is None else moe_grouped_gemm)
     if moe_grouped_gemm:
         raise ValueError(
             "grouped experts (--moe-grouped-gemm) are built from the local spec; the Transformer "

@@ -113,6 +113,7 @@ def test_killed_run_resumes_with_bit_identical_losses(tiny, tmp_path):
     ("layout", "--expert-model-parallel-size 3 does not divide num_experts=4"),
     ("target", "unknown LoRA target 'qproj'"),
     ("recompute", "--recompute-method applies to --recompute-granularity full only"),
+    ("grouped_te", "--moe-grouped-gemm builds grouped experts from the local layers"),
 ])
 def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, capsys, single_rank_env,
                                                    change, message):
@@ -131,6 +132,8 @@ def test_bad_input_is_a_clear_error_before_training(tiny, tmp_path, capsys, sing
         args = ["--lora-target-modules", "qproj"]  # the later flag wins
     elif change == "recompute":
         args = ["--recompute-granularity", "selective", "--recompute-method", "uniform"]
+    elif change == "grouped_te":
+        args = ["--moe-grouped-gemm", "--transformer-impl", "transformer_engine"]
     cmd = _cmd(tiny, str(tmp_path / "run"), 2, *args, ranks=1)
     cmd[cmd.index("--data-path") + 1] = data
     code, err = _in_process(cmd, capsys)

@@ -13,9 +13,19 @@ H, FFN, RANK = 16, 24, 4
 COUNTS = {1: [7], 4: [3, 0, 5, 2], 8: [0, 4, 0, 0, 6, 1, 0, 3]}
 
 
-def test_grouped_matmul_matches_a_loop_with_empty_groups():
+@pytest.mark.parametrize("kernel", [False, True], ids=["loop", "grouped_mm"])
+def test_grouped_matmul_matches_a_loop_with_empty_groups(kernel, monkeypatch):
+    """Both paths: the loop (CPU's) and torch._grouped_mm (CUDA's, forced here on CPU, where
+    torch runs it too, so its operand layout is checked without a GPU)."""
+    from megatron_lora.lora import grouped as G
     from megatron_lora.lora.grouped import grouped_linear
 
+    calls = []
+    if kernel:
+        real = torch._grouped_mm
+        monkeypatch.setattr(G, "_grouped_kernel", lambda x: x.shape[0] > 0)
+        monkeypatch.setattr(torch, "_grouped_mm",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(0)
     counts = [0, 5, 0, 3]
     for k, m in ((16, 4), (6, 3)):  # aligned (grouped kernel) and unaligned (loop) shapes
@@ -33,6 +43,7 @@ def test_grouped_matmul_matches_a_loop_with_empty_groups():
         assert (y - ref).abs().max() < 1e-6
         assert (gx - rx).abs().max() < 1e-6 and (gw - rw).abs().max() < 1e-6
         assert gw[0].abs().max() == 0 and gw[2].abs().max() == 0  # experts with no tokens
+    assert bool(calls) == kernel  # the forced kernel really ran (aligned shapes)
 
 
 def test_strided_shards_reassemble_to_the_global_tensor():

@@ -58,6 +58,15 @@ def sub_key(key: torch.Tensor, stream: int) -> torch.Tensor:
     return _mix32((key + _mix32(salt & _MASK32)) & _MASK32)
 
 
+def expert_keys(key: torch.Tensor, first_expert: int, num_experts: int,
+                stream_offset: int) -> torch.Tensor:
+    """int64 [num_experts, 2]: the keys of experts first_expert .. first_expert + num_experts - 1
+    for one linear of theirs (stream_offset 0 for fc1, 1 for fc2) from a MoE layer's key: stream
+    2 g + stream_offset of global expert g (token_route.py, grouped.py)."""
+    return torch.stack([sub_key(key, 2 * (first_expert + e) + stream_offset)
+                        for e in range(num_experts)])
+
+
 def keep_mask(
     key: torch.Tensor,
     p: float,

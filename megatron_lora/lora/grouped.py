@@ -37,7 +37,7 @@ import torch
 from megatron_lora.lora import collectives as C
 from megatron_lora.lora.adapter import _shard, init_global_factors
 from megatron_lora.lora.config import AdapterConfig
-from megatron_lora.lora.dropout import draw_dropout_key, keep_mask_at, sub_key
+from megatron_lora.lora.dropout import draw_dropout_key, expert_keys, keep_mask_at
 
 
 def _offsets(counts: Sequence[int], device) -> torch.Tensor:
@@ -208,8 +208,7 @@ class GroupedExpertLora(torch.nn.Module):
                 )
             key = draw_dropout_key(x.device) if dropout_key is None else dropout_key
             j = 0 if self.kind == "linear_fc1" else 1
-            keys = torch.stack([sub_key(key, 2 * (self.expert_offset + e) + j)
-                                for e in range(self.num_experts)])
+            keys = expert_keys(key, self.expert_offset, self.num_experts, j)
         a, b = self.lora_A, self.lora_B
         if self.kind == "linear_fc1":
             a = C.grad_sum(a, self.group)

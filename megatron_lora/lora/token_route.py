@@ -45,7 +45,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron_lora.lora.dropout import draw_dropout_key, sub_key
+from megatron_lora.lora.dropout import draw_dropout_key, expert_keys
 
 _EXACT_FP32 = 2**24
 
@@ -75,8 +75,7 @@ class TokenRoute:
                 f"expert LoRA dropout: expert {self.first_expert + local} got {n_rows} rows but "
                 f"the dispatcher routed {rows.numel()} (padded expert inputs are not supported)"
             )
-        stream = 2 * (self.first_expert + local) + stream_offset
-        return sub_key(self.key, stream), rows
+        return expert_keys(self.key, self.first_expert + local, 1, stream_offset)[0], rows
 
 
 def local_token_index(moe_layer, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_lora.lora import collectives as C
 from megatron_lora.lora.adapter import LoraAdapter
-from megatron_lora.lora.dropout import sub_key
+from megatron_lora.lora.dropout import expert_keys
 from megatron_lora.lora.grouped import grouped_linear, grouped_mm, grouped_mm_wgrad
 
 
@@ -231,8 +231,7 @@ class GroupedExperts(SequentialMLP):
                     "experts with wrap_experts(..., moe_layer=layer)"
                 )
             ids = route.ids
-            keys = torch.stack([sub_key(route.key, 2 * (route.first_expert + e) + stream)
-                                for e in range(len(adapters))])
+            keys = expert_keys(route.key, route.first_expert, len(adapters), stream)
         u = grouped_linear(x, a, counts, first.scaling, p, keys, offset, ids)  # [N, r]
         return grouped_linear(u, b, counts)
 

@@ -41,3 +41,14 @@ def run_config(save=None, iters=5, **kw) -> RunConfig:
 
 def optim(iters=5) -> OptimConfig:
     return OptimConfig(lr=3e-3, lr_warmup_iters=1, train_iters=iters, clip_grad=1.0)
+
+
+def global_adapters(adapters) -> dict:
+    """{global name.A/B: the adapter's global factor} (gathered over its TP / expert-TP group;
+    each rank has the adapters of its own pipeline stage and experts)."""
+    from megatron_lora.lora import global_factors
+
+    out = {}
+    for name, ad in adapters.items():
+        out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
+    return out

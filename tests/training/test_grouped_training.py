@@ -11,7 +11,6 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_lora.lora import global_factors
 from megatron_lora.lora.model import LoraConfig, apply_lora
 from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing.reference import load_weights, save_weights
@@ -52,13 +51,6 @@ def _run(model, layout):
     return torch.tensor([result.losses[i] for i in range(1, STEPS + 1)])
 
 
-def _global(adapters):
-    out = {}
-    for name, ad in adapters.items():
-        out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
-    return out
-
-
 @multirank(world_size=1, timeout=300)
 def _sequential_reference(directory, layout=ParallelLayout()):
     model, adapters = _model(layout, grouped=False)
@@ -67,7 +59,7 @@ def _sequential_reference(directory, layout=ParallelLayout()):
             ad.lora_B.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(3))
     save_weights(model, os.path.join(directory, "start"))
     losses = _run(model, layout)
-    tensors = _global(adapters)
+    tensors = S.global_adapters(adapters)
     tensors["losses"] = losses
     save_file(tensors, os.path.join(directory, "reference.safetensors"))
 
@@ -79,7 +71,7 @@ def _grouped_pp2_ep2(directory, layout=ParallelLayout(pp=2, ep=2)):
     losses = _run(model, layout)
     assert losses[-1] < losses[0] - 0.1  # it trains
     torch.testing.assert_close(losses, reference["losses"], rtol=1e-5, atol=0)
-    final = _global(adapters)
+    final = S.global_adapters(adapters)
     assert final and all(name in reference for name in final)
     assert any(".experts." in name for name in final)  # this rank checks expert adapters
     for name, tensor in final.items():

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from megatron_lora.lora import global_factors
 from megatron_lora.lora.model import LoraConfig, apply_lora
 from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing.reference import save_weights
@@ -30,22 +29,13 @@ def _lora_model(layout, weights=None):
     return model, adapters
 
 
-def _global(adapters):
-    """{global name.A/B: the adapter's global factor} (gathered over its TP / expert-TP group;
-    each rank has the adapters of its own pipeline stage and experts)."""
-    out = {}
-    for name, ad in adapters.items():
-        out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
-    return out
-
-
 @multirank(world_size=1, timeout=300)
 def _reference(directory, layout=ParallelLayout()):
     model, adapters = _lora_model(layout)
     save_weights(model, os.path.join(directory, "weights"))  # base and initial adapters
     result = train([model], S.dataset(samples=SAMPLES), S.run_config(iters=STEPS), S.optim(STEPS),
                    layout_name=layout.describe())
-    tensors = _global(adapters)
+    tensors = S.global_adapters(adapters)
     tensors["losses"] = torch.tensor([result.losses[i] for i in range(1, STEPS + 1)])
     save_file(tensors, os.path.join(directory, "reference.safetensors"))
 
@@ -76,7 +66,7 @@ def test_same_losses_and_same_adapters_at_every_layout(layout, world_size, lora_
     losses = torch.tensor([result.losses[i] for i in range(1, STEPS + 1)])
     assert losses[-1] < losses[0] - 0.1  # it trains
     torch.testing.assert_close(losses, reference["losses"], rtol=1e-5, atol=0)
-    final = _global(adapters)
+    final = S.global_adapters(adapters)
     assert final and all(name in reference for name in final)
     for name, tensor in final.items():
         if name.endswith(".B"):

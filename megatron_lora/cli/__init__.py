@@ -25,10 +25,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megatron-lora",
         description="LoRA fine-tuning of Mixture-of-Experts models with megatron-core.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
+
+
+def _version() -> str:
+    """This package's version and the megatron-core and torch it runs with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"megatron-lora {of('megatron-lora')} (megatron-core {of('megatron-core')}, "
+            f"torch {of('torch')})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -100,6 +100,12 @@ def register(sub) -> None:
     o.add_argument("--eval-iters", type=int, default=1)
     o.add_argument("--log-interval", type=int, default=1)
     o.add_argument("--tensorboard-dir", default=None)
+    o.add_argument("--wandb-project", default=None, help="Weights & Biases project: log the "
+                   "run there (needs the wandb package; WANDB_MODE=offline works without a "
+                   "network)")
+    o.add_argument("--wandb-exp-name", default=None, help="Weights & Biases run name")
+    o.add_argument("--wandb-save-dir", default=None, help="folder for Weights & Biases files "
+                   "(default: a wandb folder in --save)")
     p.set_defaults(func=_run)
 
 

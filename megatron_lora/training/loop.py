@@ -41,6 +41,9 @@ class RunConfig:
     eval_iters: int = 1
     tensorboard_dir: Optional[str] = None
     seed: int = 1234
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters",

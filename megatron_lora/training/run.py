@@ -63,7 +63,10 @@ def _setup_checks(args, layout, world_size):
                         train_iters=args.train_iters, log_interval=args.log_interval,
                         save=args.save, save_interval=args.save_interval,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-                        tensorboard_dir=args.tensorboard_dir, seed=args.seed)
+                        tensorboard_dir=args.tensorboard_dir, seed=args.seed,
+                        wandb_project=getattr(args, "wandb_project", None),
+                        wandb_exp_name=getattr(args, "wandb_exp_name", None),
+                        wandb_save_dir=getattr(args, "wandb_save_dir", None))
         problems = run.batch_problems(layout.data_parallel_size(world_size))
         problems += info.lora_problems(lora, rank_name="--lora-rank", pattern_name=
                                        "--lora-rank-pattern", targets_name="--lora-target-modules")

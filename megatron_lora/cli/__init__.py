@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "megatron_lora.cli.train",
     "megatron_lora.cli.export",
     "megatron_lora.cli.import_peft",
+    "megatron_lora.cli.data_preview",
 ]
 
 

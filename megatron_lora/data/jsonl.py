@@ -5,14 +5,17 @@
     {"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}
                                                       SFT: loss on assistant turns only
 
-Chat turns use the Mistral/Mixtral instruction format: `<s>[INST] user [/INST] answer</s>`
-(a system message is prepended to the first user turn).
+Chat turns are rendered with the tokenizer's own chat template when it has one
+(`megatron_lora.data.chat`: tokens exactly as transformers' `apply_chat_template(messages,
+tokenize=True)` gives them, loss on the assistant spans the template writes). Without a template
+(and always for the byte tokenizer) they use the Mistral/Mixtral instruction format:
+`<s>[INST] user [/INST] answer</s>` (a system message is prepended to the first user turn).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Iterator, List, Tuple
 
 from megatron_lora.jsonfile import decode_utf8, loads, os_reason, short
 
@@ -45,10 +48,21 @@ def _pieces(tok, pieces: List[Tuple[str, bool]]) -> Sample:
     return Sample(tokens, mask)
 
 
+def _templated(tok, messages, where: str) -> Sample:
+    """`messages` through the tokenizer's chat template: loss on the assistant spans."""
+    from megatron_lora.data.chat import ChatTemplateError, trained_mask
+
+    try:
+        text, spans = tok.chat_template.assistant_spans(messages)
+    except ChatTemplateError as exc:
+        raise DataError(f"{where}: {exc}") from None
+    ids, offsets = tok.encode_with_offsets(text)
+    return Sample(ids, trained_mask(offsets, spans))
+
+
 def _messages(tok, messages, where: str) -> Sample:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list")
-    pieces, system = [], ""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
                 or not isinstance(m.get("content"), str):
@@ -56,6 +70,12 @@ def _messages(tok, messages, where: str) -> Sample:
                 f"{where}: messages[{i}] must be {{'role': 'system'|'user'|'assistant', "
                 f"'content': str}}, got {short(m)}"
             )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: 'messages' has no assistant turn to train on")
+    if getattr(tok, "chat_template", None) is not None:
+        return _templated(tok, messages, where)
+    pieces, system = [], ""
+    for m in messages:
         if m["role"] == "system":
             system = m["content"] + "\n\n"
         elif m["role"] == "user":
@@ -63,8 +83,6 @@ def _messages(tok, messages, where: str) -> Sample:
             system = ""
         else:
             pieces.append((" " + m["content"], True))
-    if not any(trained for _, trained in pieces):
-        raise DataError(f"{where}: 'messages' has no assistant turn to train on")
     return _pieces(tok, pieces)
 
 
@@ -85,13 +103,11 @@ def parse_record(tok, record, where: str) -> Sample:
                     f"got keys {sorted(record)}")
 
 
-def read_jsonl(path: str, tokenizer, max_tokens: int) -> Tuple[List[Sample], int]:
-    """All samples of `path`; samples longer than `max_tokens` are truncated.
+def iter_samples(path: str, tokenizer) -> Iterator[Tuple[str, Sample]]:
+    """("file:line", sample) for each non-blank line of `path`, untruncated, in order.
 
-    Returns (samples, number truncated). Raises DataError naming file:line for a malformed line;
-    blank lines are skipped.
+    Raises DataError naming file:line for a malformed line.
     """
-    samples, truncated = [], 0
     try:
         f = open(path, "rb")
     except OSError as exc:
@@ -102,13 +118,33 @@ def read_jsonl(path: str, tokenizer, max_tokens: int) -> Tuple[List[Sample], int
             line = decode_utf8(raw, where, DataError)
             if not line.strip():
                 continue
-            record = loads(line, where, DataError)
-            sample = parse_record(tokenizer, record, where)
-            if len(sample.tokens) > max_tokens:
-                sample = Sample(sample.tokens[:max_tokens], sample.loss_mask[:max_tokens])
-                truncated += 1
-            if sum(sample.loss_mask[1:]) == 0:
-                continue  # nothing to learn after truncation
+            yield where, parse_record(tokenizer, loads(line, where, DataError), where)
+
+
+def truncate(sample: Sample, max_tokens: int) -> Sample:
+    """The first `max_tokens` tokens of `sample` (itself when it fits)."""
+    if len(sample.tokens) <= max_tokens:
+        return sample
+    return Sample(sample.tokens[:max_tokens], sample.loss_mask[:max_tokens])
+
+
+def usable(sample: Sample) -> bool:
+    """Whether a sample has a target after its first token (otherwise it teaches nothing)."""
+    return sum(sample.loss_mask[1:]) > 0
+
+
+def read_jsonl(path: str, tokenizer, max_tokens: int) -> Tuple[List[Sample], int]:
+    """All samples of `path`; samples longer than `max_tokens` are truncated.
+
+    Returns (samples, number truncated). Raises DataError naming file:line for a malformed line;
+    blank lines are skipped, and so are samples left without a target after truncation.
+    """
+    samples, truncated = [], 0
+    for _, sample in iter_samples(path, tokenizer):
+        if len(sample.tokens) > max_tokens:
+            sample = truncate(sample, max_tokens)
+            truncated += 1
+        if usable(sample):
             samples.append(sample)
     if not samples:
         raise DataError(f"{path}: no usable samples")

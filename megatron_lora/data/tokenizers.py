@@ -1,11 +1,21 @@
-"""Tokenizers: a Hugging Face `tokenizer.json` (Mixtral's works) or a built-in byte tokenizer."""
+"""Tokenizers: a Hugging Face tokenizer folder or `tokenizer.json` (Mixtral's works), or a
+built-in byte tokenizer.
+
+An HF tokenizer is tokenized as transformers 5 tokenizes it: the `tokenizer.json` as saved, with
+two adjustments read from the `tokenizer_config.json` beside it (when there is one): the named
+special tokens it declares are matched in text as single tokens, and a `tokenizer_class` of
+`LlamaTokenizer` (Llama, Mistral, Mixtral) gets the pre-tokenizer that class builds (a Metaspace
+adding "\u2581" before the first piece only, or before every piece with `"legacy": true`, or
+never with `"add_prefix_space": false`; no normalizer). Other tokenizer classes that rebuild
+their tokenizer in transformers are not reproduced: the file is used as saved.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from megatron_lora.jsonfile import reason
+from megatron_lora.jsonfile import read_json, reason
 
 
 class TokenizerError(ValueError):
@@ -13,46 +23,106 @@ class TokenizerError(ValueError):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then <s>=256, </s>=257, <pad>=258. For tiny runs and tests."""
+    """`--tokenizer byte`: UTF-8 bytes as ids 0..255 plus three special ids, 259 in all.
+
+    | id  | token  | use |
+    |-----|--------|-----|
+    | 256 | `<s>`  | bos_id: first token of every sample |
+    | 257 | `</s>` | eos_id: after a text sample and after each trained piece (response, assistant turn) |
+    | 258 | `<pad>`| pad_id: fills packed rows, never trained |
+
+    encode() never produces 256-258 (the text "<s>" is the bytes of "<", "s", ">"); decode()
+    drops them unless skip_special_tokens=False, which writes them as `<s>`, `</s>`, `<pad>`. It
+    has no chat template, so `messages` use the Mistral `[INST]` format. For tiny runs and tests.
+    """
 
     name = "byte"
+    SPECIAL = {256: "<s>", 257: "</s>", 258: "<pad>"}
 
     def __init__(self):
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
         self.vocab_size = 259
+        self.chat_template = None
 
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: List[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+            else:
+                out += [run.decode("utf-8", errors="replace"), self.SPECIAL.get(i, f"<{i}>")]
+                run = bytearray()
+        return "".join(out) + run.decode("utf-8", errors="replace")
+
+
+_LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+_LLAMA_DEFAULTS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer` loaded from a tokenizer.json file (no network, no transformers).
+    """A `tokenizers.Tokenizer` loaded from a tokenizer.json file (no network, no transformers),
+    with the `tokenizer_config.json` and chat template files of its folder (module docstring).
 
-    encode() adds no special tokens; bos/eos come from the tokenizer's vocabulary (<s>, </s> for
-    Llama/Mistral/Mixtral) and the sample formatter places them.
+    encode() adds no special tokens; bos/eos are the config's `bos_token`/`eos_token` when it
+    names them, otherwise found by name in the vocabulary (<s>, </s> for Llama/Mistral/Mixtral),
+    and the sample formatter places them. `chat_template` is a ChatTemplate or None.
     """
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
+
+        from megatron_lora.data.chat import SPECIAL_TOKEN_NAMES, find_chat_template
 
         self.name = path
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as exc:  # the tokenizers library raises plain Exception
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({reason(exc)})") from None
+        folder = os.path.dirname(os.path.abspath(path))
+        config = _read_config(os.path.join(folder, "tokenizer_config.json"))
+        self.special_tokens = _special_tokens(folder, config or {})
+        if config is not None and config.get("tokenizer_class") in _LLAMA_CLASSES:
+            self._llama_pre_tokenizer(config)
+        self._add_named_special_tokens()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._special(("<s>", "<|begin_of_text|>", "<bos>"))
-        self.eos_id = self._special(("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"))
+        self.bos_id = self._named("bos_token", ("<s>", "<|begin_of_text|>", "<bos>"))
+        self.eos_id = self._named("eos_token", ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"))
         if self.eos_id is None:
             raise TokenizerError(f"{path}: the tokenizer has no end-of-sequence token (</s> or "
                                  f"similar)")
-        pad = self._special(("<pad>", "<unk>"))
+        pad = self._named("pad_token", ("<pad>", "<unk>"))
         self.pad_id = pad if pad is not None else self.eos_id
+        self.chat_template = find_chat_template(
+            folder, {k: v for k, v in self.special_tokens.items() if k in SPECIAL_TOKEN_NAMES},
+            config)
 
-    def _special(self, names) -> Optional[int]:
+    def _llama_pre_tokenizer(self, config: dict) -> None:
+        from tokenizers import pre_tokenizers
+
+        if config.get("add_prefix_space", True) is False:
+            scheme = "never"
+        else:
+            scheme = "always" if config.get("legacy", False) else "first"
+        self._tok.normalizer = None
+        self._tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme=scheme, split=False)
+
+    def _add_named_special_tokens(self) -> None:
+        from tokenizers import AddedToken
+
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        missing = [t for t in self.special_tokens.values() if t not in added]
+        if missing:
+            self._tok.add_special_tokens([AddedToken(t, special=True) for t in dict.fromkeys(missing)])
+
+    def _named(self, key: str, names) -> Optional[int]:
+        if key in self.special_tokens:
+            return self._tok.token_to_id(self.special_tokens[key])
         for name in names:
             idx = self._tok.token_to_id(name)
             if idx is not None:
@@ -62,12 +132,59 @@ class HFTokenizer:
     def encode(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: List[int]) -> str:
-        return self._tok.decode(ids)
+    def encode_with_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        """ids of `text` and each token's [start, end) character range in it."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
+    def decode(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _read_config(path: str) -> Optional[dict]:
+    if not os.path.isfile(path):
+        return None
+    config = read_json(path, TokenizerError)
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return config
+
+
+def _token_string(value) -> Optional[str]:
+    """A special token as tokenizer_config.json writes it: a string or {"content": str, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _special_tokens(folder: str, config: dict) -> Dict[str, str]:
+    """Named special tokens (bos_token, eos_token, ...) as strings: tokenizer_config.json's, then
+    a legacy special_tokens_map.json's where the config has no added_tokens_decoder, then the
+    defaults of LlamaTokenizer for that class."""
+    from megatron_lora.data.chat import SPECIAL_TOKEN_NAMES
+
+    sources = [config]
+    legacy = os.path.join(folder, "special_tokens_map.json")
+    if "added_tokens_decoder" not in config and os.path.isfile(legacy):
+        mapping = _read_config(legacy)
+        sources.append(mapping or {})
+    if config.get("tokenizer_class") in _LLAMA_CLASSES:
+        sources.append(_LLAMA_DEFAULTS)
+    tokens = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        for source in sources:
+            if name in source:
+                token = _token_string(source[name])
+                if token is not None:
+                    tokens[name] = token
+                break
+    return tokens
 
 
 def load_tokenizer(spec: str):
-    """`byte`, a tokenizer.json file, or an HF model directory that holds one."""
+    """`byte`, a tokenizer.json file, or an HF model directory that holds one. The
+    tokenizer_config.json and chat template files are read from the folder of the tokenizer.json
+    either way."""
     if spec == "byte":
         return ByteTokenizer()
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec

@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "megatron_lora.cli.parity",
     "megatron_lora.cli.convert",
     "megatron_lora.cli.logits",
+    "megatron_lora.cli.generate",
     "megatron_lora.cli.train",
     "megatron_lora.cli.export",
     "megatron_lora.cli.import_peft",

@@ -93,7 +93,8 @@ class SDPAttention(MegatronModule):
       query [sq, b, np, hn], key/value [sk, b, ng, hn] (np = heads, ng = query groups on this TP
       rank); attention_mask None (causal by attn_mask_type) or bool [b or 1, 1, sq, sk] with
       True = masked out (megatron's convention; it then replaces the causal mask, as in
-      DotProductAttention). Returns the context [sq, b, np * hn].
+      DotProductAttention). With a KV cache, sk may exceed sq: the queries are then the last sq
+      positions (causal up to each one). Returns the context [sq, b, np * hn].
     """
 
     def __init__(
@@ -173,6 +174,15 @@ class SDPAttention(MegatronModule):
                 q, k, v, attn_mask=_additive_mask(attention_mask, q.dtype),
                 scale=self.softmax_scale,
             )
+        elif self.attn_mask_type == AttnMaskType.causal and 1 < sq < sk:
+            # A KV-cache step of several tokens (megatron_lora.inference): the queries are the
+            # last sq of the sk positions, so query i sees keys 0 .. sk - sq + i. Megatron passes
+            # no_mask past the prompt, which is right only for one token at a time.
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.softmax_scale)
         else:
             causal = mask_type == AttnMaskType.causal and sq > 1
             if causal and sq != sk:

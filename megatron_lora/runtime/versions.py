@@ -12,6 +12,7 @@ introduced the change and the megatron-core call site.
 | `token_dispatcher.all_to_all(..., use_nccl_stream=...)` keyword | 0.18.0 | `transformer/moe/token_dispatcher.py` -> `tensor_parallel/mappings.py:all_to_all` | `cpu_compat` passes keywords through |
 | common (non-tensor) checkpoint state stored as a `common_state` ShardedObject inside the torch_dist files, no `common.pt` | 0.19.0 | `dist_checkpointing/serialization.py` (`save`, `load_common_state_dict`) | `safe_load.load_common_state` reads either form |
 | `dist_checkpointing.load` reads the common state itself through torch's plain `FileSystemReader` (no `common_strategy`) | 0.19.0 | `dist_checkpointing/serialization.py:load_common_state_dict` | `safe_load.dist_load` checks every file first |
+| `materialize_only_last_token_logits` moved from the inference context into its `InferenceConfig` (`context.config`) | 0.19.0 | `inference/contexts/base_context.py`, `models/gpt/gpt_model.py:_postprocess` | `static_kv_cache` |
 | legacy `GroupedMLP` (grouped_gemm package) removed; `moe_grouped_gemm=True` means TE's `TEGroupedMLP` | 0.17.0 | `transformer/moe/experts.py` | not used: SequentialMLP only |
 """
 
@@ -56,3 +57,20 @@ def spec_replace(spec: Any, *, module: Any = None, submodules: Any = None) -> An
     if submodules is not None:
         changes["submodules"] = submodules
     return dataclasses.replace(spec, **changes)
+
+
+def static_kv_cache(max_batch_size: int, max_sequence_length: int) -> Any:
+    """megatron-core's StaticInferenceContext (the per-layer KV cache that SelfAttention fills
+    when the model is called with `inference_context=`) for up to `max_batch_size` sequences of
+    `max_sequence_length` tokens, set to return the logits of every position of a call (megatron's
+    default keeps only the last one, which under sequence parallelism is this rank's last local
+    token, and which a padded chunk would make the padding's)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    context = StaticInferenceContext(max_batch_size, max_sequence_length)
+    inference_config = getattr(context, "config", None)
+    if inference_config is not None and hasattr(inference_config,
+                                                "materialize_only_last_token_logits"):
+        inference_config.materialize_only_last_token_logits = False  # 0.19
+    context.materialize_only_last_token_logits = False  # <= 0.18 reads it here
+    return context

@@ -1,0 +1,38 @@
+"""This rank's Mixtral stage with its weights (and an adapter), for the inference commands."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def build_model(info, layout, dtype, *, hf=None, load: Optional[str] = None,
+                adapter: Optional[str] = None, lora=None, attention_backend: Optional[str] = None,
+                moe_grouped_gemm: Optional[bool] = None, dispatcher: str = "allgather"):
+    """The GPTModel of this pipeline stage on this rank's device, weights from HF safetensors
+    (`hf`, an HFCheckpoint) or a torch_dist checkpoint (`load`), then, with `lora` (the adapter
+    checkpoint's LoraConfig), apply_lora and the factors of `adapter`. Megatron's parallel state
+    must be initialised for `layout`.
+
+    attention_backend / moe_grouped_gemm: as the CLI flags; a named local core attention or
+    grouped experts mean the local layers, otherwise the usual choice of build_mixtral_model."""
+    from megatron_lora import runtime
+    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+
+    local = attention_backend not in (None, "auto") or bool(moe_grouped_gemm)
+    model = build_mixtral_model(
+        info, mixtral_config(info, layout, dtype=dtype, dispatcher=dispatcher),
+        use_te=False if local else None, attention_backend=attention_backend,
+        moe_grouped_gemm=moe_grouped_gemm)
+    model.to(runtime.device())
+    if hf is not None:
+        load_hf(model, info, hf)
+    else:
+        load_mcore(model, load)
+    if lora is not None:
+        from megatron_lora.lora.model import apply_lora
+        from megatron_lora.training.checkpoint import load_adapter_weights
+
+        apply_lora(model, lora, verbose=False)
+        load_adapter_weights([model], adapter)
+    return model

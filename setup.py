@@ -24,7 +24,9 @@ setup(
         # NVIDIA apex is built from source; the PyPI package named "apex" is unrelated.
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers>=4.46", "peft>=0.13"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "wandb"],  # wandb: the offline logging test
+        "tensorboard": ["tensorboard"],  # to view --tensorboard-dir: tensorboard --logdir DIR
+        "wandb": ["wandb"],  # train --wandb-project
     },
     entry_points={"console_scripts": ["megatron-lora=megatron_lora.cli:main"]},
 )

@@ -49,6 +49,9 @@ def _version() -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_lora.runtime.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # megatron/TE/apex notices that say nothing actionable
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: stop if the launcher dies
         from megatron_lora.runtime.watchdog import watch_launcher
 

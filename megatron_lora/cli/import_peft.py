@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import sys
 
+from megatron_lora.cli.convert import HELP
+
 
 def register(sub) -> None:
-    p = sub.add_parser("import", help="import adapters from the Hugging Face stack")
+    p = sub.add_parser("import", help="import adapters from the Hugging Face stack",
+                       formatter_class=HELP)
     kinds = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
-    a = kinds.add_parser("peft", help="HF PEFT LoRA folder -> adapter checkpoint")
+    a = kinds.add_parser("peft", help="HF PEFT LoRA folder -> adapter checkpoint",
+                         formatter_class=HELP)
     a.add_argument("--adapter", required=True, help="PEFT folder (adapter_config.json + "
                    "adapter_model.safetensors)")
     a.add_argument("--load-hf", required=True, help="the base model's HF folder or config.json "
                    "(only config.json is read)")
     a.add_argument("--save", required=True, help="output adapter checkpoint folder (must not exist)")
     a.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    a.add_argument("--verbose", action="store_true", help="list every stacked/padded adapter")
+    a.add_argument("--verbose", action="store_true", help="list every stacked/padded adapter "
+                   "(default: the first 10)")
     p.set_defaults(func=_run)
 
 

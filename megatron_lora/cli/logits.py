@@ -22,10 +22,12 @@ import os
 import sys
 
 from megatron_lora.cli.common import add_layout_args, layout_from_args
+from megatron_lora.cli.convert import HELP
 
 
 def register(sub) -> None:
-    p = sub.add_parser("logits", help="logits of a Mixtral checkpoint for given tokens (torchrun)")
+    p = sub.add_parser("logits", help="logits of a Mixtral checkpoint for given tokens (torchrun)",
+                       formatter_class=HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megatron-core torch_dist checkpoint (from convert hf-to-mcore)")
     src.add_argument("--load-hf", help="HF Mixtral folder, read directly (no conversion)")
@@ -37,7 +39,8 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output .safetensors (tensor 'logits', fp32)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     add_layout_args(p)
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per forward on "
+                   "each data-parallel rank (the batch must divide by it times the DP size)")
     p.add_argument("--bf16", action="store_true", help="run the model in bf16 (default fp32)")
     p.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"],
                    default=None, help="core attention (Megatron-LM's names): 'flash' torch's "
@@ -51,7 +54,7 @@ def register(sub) -> None:
 
 
 def read_tokens(path: str, vocab_size: int):
-    """[B, S] int64 tensor from a JSON list of equal-length lists of ids in [0, vocab_size)."""
+    """[B, S] int64 tensor from a JSON list of equal-length lists of ids, 0 <= id < vocab_size."""
     import torch
 
     from megatron_lora.convert.errors import ConversionError
@@ -67,7 +70,8 @@ def read_tokens(path: str, vocab_size: int):
                 if not 0 <= t < vocab_size), None)  # checked before int64 conversion overflows
     if bad is not None:
         raise ConversionError(f"{path}: token id [{bad[0]}][{bad[1]}] = {json_value(bad[2])} is "
-                              f"outside the model's vocabulary [0, {vocab_size})")
+                              f"outside the model's vocabulary: ids must satisfy "
+                              f"0 <= id < {vocab_size}")
     return torch.tensor(rows, dtype=torch.int64)
 
 

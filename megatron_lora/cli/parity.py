@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import os
 
+from megatron_lora.cli.convert import HELP
+
 
 def register(sub) -> None:
-    p = sub.add_parser("parity", help="check layouts against the single-rank loss (tiny model)")
-    p.add_argument("stage", choices=["reference", "check"])
+    p = sub.add_parser("parity", help="check layouts against the single-rank loss (tiny model)",
+                       formatter_class=HELP)
+    p.add_argument("stage", choices=["reference", "check"], help="reference: at world size 1, "
+                   "save the tiny model's weights and loss; check: under torchrun, run each "
+                   "--layouts entry on them and compare the loss")
     p.add_argument("--dir", required=True, help="folder for the reference weights and loss")
-    p.add_argument("--layouts", nargs="+", default=["TP2+SP", "EP2", "PP2xEP2", "TP2xEP2+SP"])
-    p.add_argument("--dispatcher", choices=["allgather", "alltoall"], default="allgather")
-    p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--layouts", nargs="+", default=["TP2+SP", "EP2", "PP2xEP2", "TP2xEP2+SP"],
+                   metavar="LAYOUT", help="layouts to check, e.g. TP2xPP2xEP2+SP (each must fit "
+                   "the world size)")
+    p.add_argument("--dispatcher", choices=["allgather", "alltoall"], default="allgather",
+                   help="megatron's MoE token dispatcher")
+    p.add_argument("--rtol", type=float, default=1e-5, help="largest relative loss difference "
+                   "from the single-rank reference that passes")
     p.set_defaults(func=_run)
 
 

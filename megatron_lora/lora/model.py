@@ -164,22 +164,28 @@ def _features(config, kind: str, vocab_size: int) -> Tuple[Tuple[int, str], Tupl
 
 def config_problems(config: LoraConfig, sizes, vocab_size: int, *, rank_name: str = "LoraConfig.r",
                     pattern_name: str = "rank_pattern",
-                    targets_name: str = "target_modules") -> List[str]:
+                    targets_name: str = "target_modules",
+                    alpha_pattern_name: str = "alpha_pattern") -> List[str]:
     """Every problem of `config` for a model of these sizes, without the model (pure, so every
     rank finds the same ones before building anything or communicating).
 
     sizes: a TransformerConfig, or any object with its size fields (num_layers, hidden_size,
         num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size,
         moe_ffn_hidden_size, num_moe_experts, gated_linear_unit).
-    rank_name / pattern_name / targets_name: how the messages call r, rank_pattern and
-        target_modules (a CLI passes its flags, e.g. "--lora-rank").
+    rank_name / pattern_name / targets_name / alpha_pattern_name: how the messages call r,
+        rank_pattern, target_modules and alpha_pattern (a CLI passes its flags, e.g.
+        "--lora-rank").
+
+    A rank_pattern or alpha_pattern key that matches no targeted adapter's global name is a
+    problem (it would otherwise be ignored silently).
     """
     available = model_kinds(sizes)
     missing = [k for k in config.target_modules if k not in available]
     if missing:
         return [f"LoRA targets {missing} ({targets_name}) do not exist in this model; its targets "
                 f"are {', '.join(available)}"]
-    problems = []
+    problems = _unmatched_pattern_problems(config, sizes, pattern_name, alpha_pattern_name,
+                                           targets_name)
     for kind in config.target_modules:
         (n_in, what_in), (n_out, what_out) = _features(sizes, kind, vocab_size)
         limit = min(n_in, n_out)
@@ -193,6 +199,21 @@ def config_problems(config: LoraConfig, sizes, vocab_size: int, *, rank_name: st
                 f"{what_out}); use a rank <= {limit} (for {kind} alone: {pattern_name} "
                 f"{kind}=R) or drop {kind} from {targets_name}")
     return problems + _rank_consistency_problems(config, sizes, pattern_name)
+
+
+def _unmatched_pattern_problems(config: LoraConfig, sizes, pattern_name: str,
+                                alpha_pattern_name: str, targets_name: str) -> List[str]:
+    names = [n for kind in config.target_modules for n in _global_names(kind, sizes)]
+    problems = []
+    for what, patterns in ((pattern_name, config.rank_pattern),
+                           (alpha_pattern_name, config.alpha_pattern)):
+        for pattern in patterns:
+            if not any(re.search(pattern, n) for n in names):
+                problems.append(
+                    f"{what} {pattern!r} matches no adapter of this model (it is searched in the "
+                    f"global names of the {targets_name} adapters, e.g. {names[0]!r} ... "
+                    f"{names[-1]!r})")
+    return problems
 
 
 def validate_for_model(model, config: LoraConfig) -> None:

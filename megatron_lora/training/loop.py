@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -20,7 +20,8 @@ from megatron.core import parallel_state
 from megatron_lora.data.batches import PackedDataset
 from megatron_lora.training import checkpoint as ckpt
 from megatron_lora.training import resume
-from megatron_lora.training.logging import TrainingLog
+from megatron_lora.training.logging import (METRICS_FILE, PLOT_FILE, TrainingLog, WandbSettings,
+                                            wandb_problems)
 from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
 from megatron_lora.training.resume import ResumeMismatchError
 from megatron_lora.training.step import forward_backward
@@ -55,6 +56,22 @@ class RunConfig:
                              f"micro_batch_size={self.micro_batch_size}")
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"save_interval must be >= 1, got {self.save_interval}")
+        problems = wandb_problems(self.wandb_project, self.wandb_exp_name, self.wandb_save_dir)
+        if problems:  # on every rank, before any collective (train's setup checks build this)
+            raise ValueError("; ".join(problems))
+
+    @property
+    def output_dir(self) -> Optional[str]:
+        """Where metrics.jsonl and loss_curve.png go: --save, else --tensorboard-dir."""
+        return self.save or self.tensorboard_dir
+
+    def wandb_settings(self, config: Optional[dict] = None) -> Optional[WandbSettings]:
+        """W&B settings of the run (None without wandb_project); files go to wandb_save_dir,
+        by default <save>/wandb."""
+        if not self.wandb_project:
+            return None
+        folder = self.wandb_save_dir or (os.path.join(self.save, "wandb") if self.save else None)
+        return WandbSettings(self.wandb_project, self.wandb_exp_name, folder, config)
 
     def batch_problems(self, data_parallel_size: int) -> List[str]:
         """Checked on every rank before training: no collective is needed to agree on it."""
@@ -70,7 +87,8 @@ class RunConfig:
 class TrainResult:
     """losses: {iteration: loss} of the iterations this call trained; iteration: the last one
     (start_iteration when it trained none); start_iteration: the iteration it resumed at (0 for
-    a fresh run), so it trained iterations start_iteration+1 .. iteration."""
+    a fresh run), so it trained iterations start_iteration+1 .. iteration; validation_losses:
+    {iteration: validation loss} of this call's evaluations (every rank has them)."""
 
     losses: Dict[int, float]
     iteration: int
@@ -78,6 +96,7 @@ class TrainResult:
     plot: Optional[str]
     checkpoint: Optional[str]
     start_iteration: int = 0
+    validation_losses: Dict[int, float] = field(default_factory=dict)
 
     @property
     def trained_iterations(self) -> int:
@@ -131,7 +150,10 @@ def train(
                                    run.train_iters, source)
     start_iteration = iteration
     rank0 = dist.get_rank() == 0
-    log = TrainingLog(rank0, run.train_iters, run.tensorboard_dir, start_iteration=iteration)
+    out_dir = run.output_dir
+    log = TrainingLog(rank0, run.train_iters, run.tensorboard_dir, start_iteration=iteration,
+                      metrics_path=os.path.join(out_dir, METRICS_FILE) if out_dir else None,
+                      wandb=run.wandb_settings(dict(asdict(run), run_metadata=run_metadata)))
     if rank0 and iteration:
         log.message(f"resumed from {source} at iteration {iteration} "
                     f"({consumed} samples consumed)")
@@ -142,6 +164,7 @@ def train(
                         f"{run.train_iters}: nothing to train (raise --train-iters to extend "
                         f"the run)")
     losses: Dict[int, float] = {}
+    validation: Dict[int, float] = {}
     # A run resumed from its own --save folder already has its checkpoint of `iteration`.
     last_saved = None
     if iteration and source == run.save:
@@ -168,8 +191,8 @@ def train(
                       consumed_samples=consumed, global_batch_size=run.global_batch_size,
                       log=iteration % run.log_interval == 0 or iteration == run.train_iters)
         if eval_dataset is not None and run.eval_interval and iteration % run.eval_interval == 0:
-            log.message(f" validation at iteration {iteration} | lm loss: "
-                        f"{evaluate(wrapped, eval_dataset, run):.6E}")
+            validation[iteration] = evaluate(wrapped, eval_dataset, run)  # collective
+            log.validation(iteration, validation[iteration])
         if run.save and run.save_interval and iteration % run.save_interval == 0:
             saving = time.monotonic()
             last_saved = _save(run, iteration, consumed, wrapped, optimizer, scheduler,
@@ -181,13 +204,9 @@ def train(
     if run.save and finished and last_saved != ckpt.iteration_dir(run.save, iteration):
         last_saved = _save(run, iteration, consumed, wrapped, optimizer, scheduler,
                            layout_name, run_metadata)
-    plot = None
-    if run.save or run.tensorboard_dir:
-        out_dir = run.save or run.tensorboard_dir
-        plot = log.close(os.path.join(out_dir, "loss_curve.png"))
-    else:
-        log.close(None)
-    return TrainResult(losses, iteration, consumed, plot, last_saved, start_iteration)
+    plot = log.close(os.path.join(out_dir, PLOT_FILE) if out_dir else None)
+    return TrainResult(losses, iteration, consumed, plot, last_saved, start_iteration,
+                       validation)
 
 
 def _save(run, iteration, consumed, wrapped, optimizer, scheduler, layout_name, run_metadata):

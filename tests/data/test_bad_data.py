@@ -59,9 +59,11 @@ def _tokens(tmp_path, text):
 
 @pytest.mark.parametrize("ids,message", [
     ([[1, 2], [3, 2 ** 70]], "token id [1][1] = 1180591620717411303424 is outside the model's "
-                             "vocabulary [0, 250)"),
-    ([[1, 2], [-1, 3]], "token id [1][0] = -1 is outside the model's vocabulary [0, 250)"),
-    ([[250]], "token id [0][0] = 250 is outside the model's vocabulary [0, 250)"),
+                             "vocabulary: ids must satisfy 0 <= id < 250"),
+    ([[1, 2], [-1, 3]], "token id [1][0] = -1 is outside the model's vocabulary: ids must "
+                        "satisfy 0 <= id < 250"),
+    ([[250]], "token id [0][0] = 250 is outside the model's vocabulary: ids must satisfy "
+              "0 <= id < 250"),
 ])
 def test_token_ids_out_of_range_name_file_and_position(tmp_path, ids, message):
     path = _tokens(tmp_path, json.dumps(ids))

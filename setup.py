@@ -19,6 +19,7 @@ setup(
         "tokenizers",
         "tensorboardX",
         "matplotlib",
+        "pyyaml",  # train --config / run_config.yaml (yaml.safe_load only)
     ],
     extras_require={
         # NVIDIA apex is built from source; the PyPI package named "apex" is unrelated.

@@ -7,13 +7,20 @@ import os
 
 def add_layout_args(p) -> None:
     g = p.add_argument_group("parallel layout")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks (TP)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (PP)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks (EP): experts are split among them")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor-parallel ranks of each expert (ETP; unset: "
+                   "--tensor-model-parallel-size)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split activations along the sequence over TP ranks (needed by MoE "
+                   "layers with TP > 1)")
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
-                   default="allgather")
+                   default="allgather", help="how tokens reach their experts' ranks")
 
 
 def layout_from_args(args):

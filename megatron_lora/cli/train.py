@@ -8,7 +8,10 @@
         --save ckpt/run1 --save-interval 100 --bf16
 
 Flag names follow Megatron-LM. Every input (layout, batch sizes, data, LoRA settings, a resume's
-compatibility) is checked on every rank before training starts.
+compatibility) is checked on every rank before training starts. `--config run.yaml` takes flags
+from a YAML file (cli/run_config.py; the command line overrides it); like Megatron-LM's parser,
+this one takes no abbreviated flag names. `--adapter DIR` starts from an adapter's weights
+(training/initial_adapter.py).
 """
 
 from __future__ import annotations
@@ -17,15 +20,45 @@ import argparse
 import sys
 
 from megatron_lora.cli.common import add_layout_args
+from megatron_lora.cli.run_config import CONFIG_FLAG, ConfigArgumentParser
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="LoRA fine-tuning (torchrun)")
+    p = sub.add_parser("train", help="LoRA fine-tuning (torchrun)", allow_abbrev=False,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="LoRA fine-tuning of a Mixtral checkpoint; run it under "
+                       "torchrun (or as one process for world size 1). Flag names follow "
+                       "Megatron-LM.")
+    p.__class__ = ConfigArgumentParser  # reads --config FILE before parsing (cli/run_config.py)
+    add_arguments(p)
+    p.set_defaults(func=_run)
+
+
+def parser() -> argparse.ArgumentParser:
+    """train's flags as a standalone parser (for the resolved run configuration and tests)."""
+    p = ConfigArgumentParser(prog="megatron-lora train", allow_abbrev=False,
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p) -> None:
+    p.add_argument(CONFIG_FLAG, default=None, metavar="FILE",
+                   help="YAML file of flags (keys: flag names without dashes, e.g. "
+                   "'lora-rank: 8'; lists for several values, true for switches); flags on the "
+                   "command line override it. Every checkpoint's run_config.yaml is such a file")
     add_layout_args(p)
     src = p.add_argument_group("model")
     which = src.add_mutually_exclusive_group(required=True)
     which.add_argument("--load-hf", help="HF Mixtral folder, read directly (each rank its slices)")
     which.add_argument("--load", help="megatron-core checkpoint from `convert hf-to-mcore`")
+    src.add_argument("--adapter", default=None, metavar="DIR",
+                     help="start from this adapter's weights (Megatron-LM's --finetune: weights "
+                     "only, a fresh optimizer, iteration 0): an adapter checkpoint of ours (a run "
+                     "folder or an iter_* folder) or a PEFT adapter folder (imported on the fly). "
+                     "Its LoRA rank, alpha, targets, rsLoRA and patterns are used; --lora-* flags "
+                     "that differ are an error. A --save folder that has a checkpoint is resumed "
+                     "instead")
     src.add_argument("--hf-config", default=None, help="config.json for --load if it has none")
     src.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
                      default="local", help="layer implementation; LoRA on Transformer Engine's "
@@ -45,22 +78,36 @@ def register(sub) -> None:
                    "{messages}")
     d.add_argument("--tokenizer", required=True, help="tokenizer.json, an HF folder with one, "
                    "or 'byte'")
-    d.add_argument("--seq-length", type=int, required=True)
+    d.add_argument("--seq-length", type=int, required=True,
+                   help="tokens per packed sequence (longer samples are truncated)")
     d.add_argument("--eval-fraction", type=float, default=0.0,
-                   help="fraction of packed sequences held out for --eval-interval")
+                   help="fraction of the --data-path sequences held out for --eval-interval "
+                   "(or give --valid-data-path)")
+    d.add_argument("--valid-data-path", default=None, metavar="FILE",
+                   help="JSONL validation data for --eval-interval, in the forms of "
+                   "--data-path (instead of --eval-fraction)")
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, default=1)
-    t.add_argument("--global-batch-size", type=int, required=True)
-    t.add_argument("--train-iters", type=int, required=True)
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--min-lr", type=float, default=0.0)
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--micro-batch-size", type=int, default=1,
+                   help="sequences per micro-batch on each data-parallel rank")
+    t.add_argument("--global-batch-size", type=int, required=True,
+                   help="sequences per iteration over all data-parallel ranks (gradient "
+                   "accumulation makes up the rest)")
+    t.add_argument("--train-iters", type=int, required=True,
+                   help="iterations of the whole run (a resume continues up to it)")
+    t.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    t.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
+    t.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="iterations of linear warmup from 0 to --lr")
     t.add_argument("--lr-decay-style", default="cosine",
-                   choices=["constant", "linear", "cosine", "inverse-square-root"])
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--bf16", action="store_true", help="bf16 model and activations (default fp32)")
-    t.add_argument("--seed", type=int, default=1234)
+                   choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   help="decay from --lr to --min-lr over --train-iters")
+    t.add_argument("--clip-grad", type=float, default=1.0,
+                   help="gradient clipping by global norm (0: none)")
+    t.add_argument("--weight-decay", type=float, default=0.0,
+                   help="Adam weight decay of the adapter parameters")
+    t.add_argument("--bf16", action="store_true", help="bf16 model and activations (else fp32)")
+    t.add_argument("--seed", type=int, default=1234,
+                   help="seed of the adapters' initial factors, data order and dropout")
     sched = t.add_mutually_exclusive_group()
     sched.add_argument("--override-opt_param-scheduler", action="store_true",
                        help="on resume, take every LR scheduler setting (--lr, --min-lr, "
@@ -82,31 +129,44 @@ def register(sub) -> None:
                     help="with selective: core_attn (the default: attention scores and "
                     "probabilities) and/or moe (the whole MoE layer)")
     lo = p.add_argument_group("LoRA")
-    lo.add_argument("--lora-rank", type=int, default=16)
-    lo.add_argument("--lora-alpha", type=float, default=32.0)
-    lo.add_argument("--lora-dropout", type=float, default=0.0)
-    lo.add_argument("--lora-target-modules", nargs="+",
-                    default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    lo.add_argument("--lora-use-rslora", action="store_true")
+    lo.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r")
+    lo.add_argument("--lora-alpha", type=float, default=32.0,
+                    help="LoRA alpha: the update is scaled by alpha/r (alpha/sqrt(r) with "
+                    "--lora-use-rslora)")
+    lo.add_argument("--lora-dropout", type=float, default=0.0,
+                    help="dropout probability on the adapters' input")
+    lo.add_argument("--lora-target-modules", nargs="+", metavar="MODULE",
+                    default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                    help="modules to adapt: megatron names (linear_qkv, linear_proj, linear_fc1, "
+                    "linear_fc2, router, embedding, output_layer), their HF names (q_proj ... "
+                    "w1, w2, w3, gate, embed_tokens, lm_head) or all-linear")
+    lo.add_argument("--lora-use-rslora", action="store_true",
+                    help="rank-stabilized LoRA: scale by alpha/sqrt(r)")
     lo.add_argument("--lora-rank-pattern", nargs="+", default=[], type=_rank_pattern,
                     metavar="REGEX=R", help="rank R instead of --lora-rank for the adapters whose "
                     "global name REGEX matches (re.search), e.g. router=4 for a router with few "
                     "experts; one rank per target kind")
+    lo.add_argument("--lora-alpha-pattern", nargs="+", default=[], type=_alpha_pattern,
+                    metavar="REGEX=A", help="alpha A instead of --lora-alpha for the adapters "
+                    "whose global name REGEX matches (re.search), e.g. router=8")
     o = p.add_argument_group("output")
     o.add_argument("--save", default=None, help="adapter checkpoints; a run resumes from the "
                    "newest one found here")
-    o.add_argument("--save-interval", type=int, default=None)
-    o.add_argument("--eval-interval", type=int, default=None)
-    o.add_argument("--eval-iters", type=int, default=1)
-    o.add_argument("--log-interval", type=int, default=1)
-    o.add_argument("--tensorboard-dir", default=None)
+    o.add_argument("--save-interval", type=int, default=None,
+                   help="save a checkpoint every N iterations (and always at the end)")
+    o.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations (needs --valid-data-path or "
+                   "--eval-fraction)")
+    o.add_argument("--eval-iters", type=int, default=1,
+                   help="global batches per validation")
+    o.add_argument("--log-interval", type=int, default=1, help="one log line every N iterations")
+    o.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars folder")
     o.add_argument("--wandb-project", default=None, help="Weights & Biases project: log the "
                    "run there (needs the wandb package; WANDB_MODE=offline works without a "
                    "network)")
     o.add_argument("--wandb-exp-name", default=None, help="Weights & Biases run name")
     o.add_argument("--wandb-save-dir", default=None, help="folder for Weights & Biases files "
-                   "(default: a wandb folder in --save)")
-    p.set_defaults(func=_run)
+                   "(unset: a wandb folder in --save)")
 
 
 def _rank_pattern(text: str):
@@ -124,6 +184,27 @@ def _rank_pattern(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: {regex!r} is not a regular expression "
                                          f"({exc})") from None
     return regex, int(rank)
+
+
+def _alpha_pattern(text: str):
+    """REGEX=A for --lora-alpha-pattern: (regex, positive finite float A); else exit 2."""
+    import math
+    import re
+
+    regex, sep, alpha = text.rpartition("=")
+    try:
+        value = float(alpha) if sep and regex else None
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected REGEX=A with A a positive number, "
+                                         f"e.g. router=8")
+    try:
+        re.compile(regex)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {regex!r} is not a regular expression "
+                                         f"({exc})") from None
+    return regex, value
 
 
 def _run(args) -> int:

@@ -7,6 +7,8 @@ Layout on disk:
         optimizer.*  megatron optimizer state for those parameters
         common       scheduler, iteration, consumed samples, run config (plain data)
     SAVE/iter_0000020/rng/rank_00003.pt         per-rank RNG states (tensors only)
+    SAVE/iter_0000020/run_config.yaml           the flags of the run that wrote it (when its
+                                                run metadata has a "run_config"; `train --config`)
 
 A checkpoint is written into `iter_XXXXXXX.tmp`, renamed into place when every rank has finished,
 and only then is the tracker replaced (write to a temporary file + os.replace). A crash at any
@@ -39,6 +41,7 @@ from megatron_lora.runtime.safe_load import (
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RUN_CONFIG = "run_config.yaml"
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -218,14 +221,30 @@ def _remove_abandoned(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def _write_run_config(directory: str, common: Dict) -> None:
+    """run_config.yaml from common["run_metadata"]["run_config"] (rank 0, into the .tmp folder:
+    it appears with the checkpoint, atomically)."""
+    config = (common.get("run_metadata") or {}).get("run_config")
+    if config is None:
+        return
+    from megatron_lora.cli.run_config import dump
+
+    with open(os.path.join(directory, RUN_CONFIG), "w") as f:
+        f.write(dump(config))
+
+
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
                     common: Dict) -> str:
     """Save trainable params, optimizer, scheduler, RNG and `common` (plain data) atomically.
 
-    Steps, each complete before the next starts: (1) every rank writes into iter_XXXXXXX.tmp;
-    (2) rank 0 renames it to iter_XXXXXXX; (3) rank 0 replaces the tracker. A crash anywhere
-    leaves the tracker naming a complete checkpoint (the previous one before step 3).
+    Steps, each complete before the next starts: (1) every rank writes into iter_XXXXXXX.tmp
+    (rank 0 also run_config.yaml); (2) rank 0 renames it to iter_XXXXXXX; (3) rank 0 replaces
+    the tracker and prints one line. A crash anywhere leaves the tracker naming a complete
+    checkpoint (the previous one before step 3).
     """
+    import time
+
+    started = time.monotonic()
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     problem = None
@@ -255,6 +274,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank():05d}.pt"))
+    if dist.get_rank() == 0:
+        _write_run_config(tmp, common)
     dist.barrier()
     _save_step_done("shards_written")
     if dist.get_rank() == 0:
@@ -265,6 +286,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         _save_step_done("renamed")
         _write_tracker(root, iteration)
         _save_step_done("tracker_replaced")
+        print(f"saved checkpoint of iteration {iteration} to {final} "
+              f"({time.monotonic() - started:.1f} s)", flush=True)
     dist.barrier()
     return final
 

@@ -26,11 +26,16 @@ from typing import Dict, List, Optional, Tuple
 # parameter behind it).
 ACCEPTED_METADATA = ("lora.seed", "lora.lora_dropout")
 
+# Top-level metadata entries never compared: the record of the flags of the run that wrote a
+# checkpoint (its run_config.yaml); what a resume may change is decided by the fields above.
+NOT_COMPARED = ("run_config",)
+
 # Dotted metadata path -> the train flag that sets it (for messages).
 METADATA_FLAGS = {
     "lora.r": "--lora-rank", "lora.lora_alpha": "--lora-alpha",
     "lora.target_modules": "--lora-target-modules", "lora.use_rslora": "--lora-use-rslora",
-    "lora.rank_pattern": "--lora-rank-pattern", "lora.lora_dropout": "--lora-dropout",
+    "lora.rank_pattern": "--lora-rank-pattern", "lora.alpha_pattern": "--lora-alpha-pattern",
+    "lora.lora_dropout": "--lora-dropout",
     "lora.seed": "--seed",
     "vocab_size": "--load/--load-hf", "hidden_size": "--load/--load-hf",
     "num_layers": "--load/--load-hf", "num_experts": "--load/--load-hf",
@@ -80,7 +85,8 @@ def metadata_differences(saved: Optional[Dict], current: Optional[Dict]
                          ) -> Tuple[List[Difference], List[Difference]]:
     """(refused, accepted): (dotted field, checkpoint value, this run's value) for every field of
     the run metadata that differs; `accepted` holds those in ACCEPTED_METADATA."""
-    a, b = _flatten(saved or {}), _flatten(current or {})
+    a, b = (_flatten({k: v for k, v in (d or {}).items() if k not in NOT_COMPARED})
+            for d in (saved, current))
     missing = object()
     refused, accepted = [], []
     for path in sorted(set(a) | set(b)):

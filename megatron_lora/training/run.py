@@ -17,7 +17,9 @@ class TrainSetupError(ValueError):
 _LORA_FLAGS = {"LoraConfig.r": "--lora-rank", "LoraConfig.lora_alpha": "--lora-alpha",
                "LoraConfig.lora_dropout": "--lora-dropout",
                "LoraConfig.target_modules": "--lora-target-modules",
-               "LoraConfig.rank_pattern": "--lora-rank-pattern", "target_modules": "--lora-target-modules"}
+               "LoraConfig.rank_pattern": "--lora-rank-pattern",
+               "LoraConfig.alpha_pattern": "--lora-alpha-pattern",
+               "target_modules": "--lora-target-modules"}
 
 
 def _as_flags(message: str) -> str:
@@ -28,7 +30,12 @@ def _as_flags(message: str) -> str:
 
 
 def _setup_checks(args, layout, world_size):
-    """Everything that can be checked without communication; raises TrainSetupError."""
+    """Everything that can be checked without communication; raises TrainSetupError.
+
+    With --adapter, the LoRA settings of args are replaced by the adapter's (or, on a resume,
+    the --save checkpoint's; training/initial_adapter.py), so that the run's resolved
+    configuration records what is used; the returned InitialAdapter says what to load (its
+    temporary folder, if any, is removed here when a later check fails)."""
     from megatron_lora.convert.errors import ConversionError
     from megatron_lora.lora.model import LoraConfig
     from megatron_lora.models.mixtral import MixtralConfigError
@@ -36,6 +43,7 @@ def _setup_checks(args, layout, world_size):
     from megatron_lora.training.loop import RunConfig
     from megatron_lora.training.optimizer import OptimConfig
 
+    initial = None
     try:
         if args.load_hf:
             from megatron_lora.convert.hf_to_mcore import open_hf
@@ -50,14 +58,30 @@ def _setup_checks(args, layout, world_size):
 
         check_before_build(info, layout, torch.bfloat16 if args.bf16 else torch.float32,
                            load=args.load, hf_config=args.hf_config)
-        try:
-            lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                              lora_dropout=args.lora_dropout,
-                              target_modules=args.lora_target_modules,
-                              use_rslora=args.lora_use_rslora, seed=args.seed,
-                              rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []))
-        except ValueError as exc:  # the config names its fields; the user typed flags
-            raise TrainSetupError(_as_flags(str(exc))) from None
+        _check_outputs(args)
+        resume_at = None
+        if args.save:  # a tracker naming a missing iteration: refused before any model exists
+            from megatron_lora.training.checkpoint import read_tracker
+
+            resume_at = read_tracker(args.save)
+        if getattr(args, "adapter", None):
+            from megatron_lora.training.initial_adapter import (open_initial_adapter,
+                                                                set_lora_flags)
+
+            initial = open_initial_adapter(args, info, resume_at)
+            lora = initial.lora
+            set_lora_flags(args, lora)
+        else:
+            try:
+                lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                  lora_dropout=args.lora_dropout,
+                                  target_modules=args.lora_target_modules,
+                                  use_rslora=args.lora_use_rslora, seed=args.seed,
+                                  rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []),
+                                  alpha_pattern=dict(getattr(args, "lora_alpha_pattern", None)
+                                                     or []))
+            except ValueError as exc:  # the config names its fields; the user typed flags
+                raise TrainSetupError(_as_flags(str(exc))) from None
         run = RunConfig(micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
                         train_iters=args.train_iters, log_interval=args.log_interval,
@@ -69,7 +93,8 @@ def _setup_checks(args, layout, world_size):
                         wandb_save_dir=getattr(args, "wandb_save_dir", None))
         problems = run.batch_problems(layout.data_parallel_size(world_size))
         problems += info.lora_problems(lora, rank_name="--lora-rank", pattern_name=
-                                       "--lora-rank-pattern", targets_name="--lora-target-modules")
+                                       "--lora-rank-pattern", targets_name="--lora-target-modules",
+                                       alpha_pattern_name="--lora-alpha-pattern")
         if layout.sp and args.seq_length % layout.tp:
             problems.append(f"--seq-length {args.seq_length} is not divisible by "
                             f"--tensor-model-parallel-size {layout.tp} (sequence parallelism)")
@@ -83,13 +108,12 @@ def _setup_checks(args, layout, world_size):
                             "it with --transformer-impl local (or pass --no-moe-grouped-gemm)")
         if not 0.0 <= args.eval_fraction < 1.0:
             problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+        if getattr(args, "valid_data_path", None) and args.eval_fraction:
+            problems.append(f"--valid-data-path and --eval-fraction both give validation data "
+                            f"(--valid-data-path {args.valid_data_path}, --eval-fraction "
+                            f"{args.eval_fraction}); give one of them")
         if problems:
             raise TrainSetupError("; ".join(problems))
-        _check_outputs(args)
-        if args.save:  # a tracker naming a missing iteration: refused before any model exists
-            from megatron_lora.training.checkpoint import read_tracker
-
-            read_tracker(args.save)
         optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
                             lr_decay_style=args.lr_decay_style, train_iters=args.train_iters,
                             weight_decay=args.weight_decay, clip_grad=args.clip_grad,
@@ -97,11 +121,14 @@ def _setup_checks(args, layout, world_size):
                                 "override_opt_param_scheduler",
                                 "use_checkpoint_opt_param_scheduler")})
         datasets = _datasets(args, info, run)
-    except (ConversionError, MixtralConfigError, LayoutError, ValueError, OSError) as exc:
-        if isinstance(exc, TrainSetupError):
+    except BaseException as exc:
+        if initial is not None:
+            initial.cleanup()
+        if isinstance(exc, TrainSetupError) or not isinstance(
+                exc, (ConversionError, MixtralConfigError, LayoutError, ValueError, OSError)):
             raise
         raise TrainSetupError(str(exc)) from None
-    return info, hf, lora, run, optim, datasets
+    return info, hf, lora, run, optim, datasets, initial
 
 
 def _attention_backend_problems(args) -> list:
@@ -136,7 +163,10 @@ def _check_outputs(args) -> None:
     from megatron_lora.convert.outputs import check_output
 
     inputs = {"--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
-              "--data-path": args.data_path, "--tokenizer": args.tokenizer}
+              "--data-path": args.data_path, "--tokenizer": args.tokenizer,
+              "--valid-data-path": getattr(args, "valid_data_path", None),
+              "--adapter": getattr(args, "adapter", None)}
+    inputs = {k: v for k, v in inputs.items() if v}
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path:
             check_output(path, kind="dir", exists_ok=True, inputs=inputs, flag=flag)
@@ -152,31 +182,59 @@ def _datasets(args, info, run):
                               f"model's vocab_size {info.vocab_size}")
     samples, truncated = read_jsonl(args.data_path, tokenizer, max_tokens=run.seq_length + 1)
     rows = pack_samples(samples, run.seq_length, tokenizer.pad_id)
-    n_eval = int(round(rows.tokens.shape[0] * args.eval_fraction))
-    if args.eval_interval and n_eval == 0:
-        raise TrainSetupError("--eval-interval needs held-out data: set --eval-fraction")
+    n = rows.tokens.shape[0]
+    n_eval = int(round(n * args.eval_fraction))
+    valid_path = getattr(args, "valid_data_path", None)
+    if args.eval_interval and not valid_path and n_eval == 0:
+        raise TrainSetupError(
+            "--eval-interval needs validation data: give --valid-data-path FILE, or hold out "
+            "part of --data-path with --eval-fraction F" + (
+                f" (--eval-fraction {args.eval_fraction} of {n} sequences rounds to none)"
+                if args.eval_fraction else ""))
 
     def take(lo, hi):
         return PackedRows(rows.tokens[lo:hi], rows.targets[lo:hi], rows.sample_ids[lo:hi],
                           rows.num_samples)
 
-    n = rows.tokens.shape[0]
     train = PackedDataset(take(0, n - n_eval), seed=run.seed)
     evaluation = PackedDataset(take(n - n_eval, n), seed=run.seed) if n_eval else None
     stats = dict(samples=len(samples), truncated=truncated, sequences=n - n_eval, held_out=n_eval)
+    if valid_path:
+        # Packed like --data-path; evaluate() reads its batches from the start of the order
+        # PackedDataset derives from --seed, as for the --eval-fraction held-out part.
+        from megatron_lora.data import DataError
+
+        try:
+            valid, valid_truncated = read_jsonl(valid_path, tokenizer,
+                                                max_tokens=run.seq_length + 1)
+        except DataError as exc:  # names file:line; the flag tells which input it is
+            raise TrainSetupError(f"--valid-data-path: {exc}") from None
+        if not valid:
+            raise TrainSetupError(f"--valid-data-path: {valid_path}: no usable samples")
+        valid_rows = pack_samples(valid, run.seq_length, tokenizer.pad_id)
+        evaluation = PackedDataset(valid_rows, seed=run.seed)
+        stats.update(valid_samples=len(valid), valid_truncated=valid_truncated,
+                     held_out=valid_rows.tokens.shape[0])
     return train, evaluation, stats
 
 
-def run_training(args) -> int:
-    import torch.distributed as dist
+def resolved_config(args) -> dict:
+    """Every train flag's final value (plain data, cli/run_config.py): saved as run_config.yaml
+    next to each checkpoint, usable as --config."""
+    from megatron_lora.cli import train as train_cli
+    from megatron_lora.cli.run_config import resolved
 
-    from megatron_lora import runtime
+    return resolved(train_cli.parser(), args)
+
+
+def _say(rank0: bool, text: str) -> None:
+    if rank0:
+        print(text, flush=True)
+
+
+def run_training(args) -> int:
+    """`megatron-lora train` on this rank: checks (no collective), then _train."""
     from megatron_lora.cli.common import layout_from_args, torchrun_env_defaults
-    from megatron_lora.convert.load import load_hf, load_mcore
-    from megatron_lora.lora.model import apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
-    from megatron_lora.models.recompute import recompute_overrides
-    from megatron_lora.training.loop import ResumeMismatchError, train
 
     torchrun_env_defaults(29519)
     world_size = int(os.environ["WORLD_SIZE"])
@@ -184,11 +242,34 @@ def run_training(args) -> int:
         layout = layout_from_args(args)
     except ValueError as exc:
         raise TrainSetupError(str(exc)) from None
-    info, hf, lora, run, optim, (train_set, eval_set, stats) = _setup_checks(args, layout, world_size)
+    info, hf, lora, run, optim, (train_set, eval_set, stats), initial = _setup_checks(
+        args, layout, world_size)
+    try:
+        return _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
+                      initial)
+    finally:
+        if initial is not None:
+            initial.cleanup()
+
+
+def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats, initial) -> int:
+    import torch.distributed as dist
+
+    from megatron_lora import runtime
+    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.lora.model import apply_lora
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.recompute import recompute_overrides
+    from megatron_lora.training.loop import ResumeMismatchError, train
+
     runtime.init_process_group()
     rank0 = dist.get_rank() == 0
     runtime.initialize(layout, seed=args.seed, model_sizes=info.shape.layout_sizes())
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    base = f"--load-hf {args.load_hf}" if hf is not None else f"--load {args.load}"
+    _say(rank0, f"loading the base model ({base}, {layout.describe()} on {dist.get_world_size()} "
+                f"ranks, {str(dtype).replace('torch.', '')}) ...")
+    loading = time.monotonic()
     model = build_mixtral_model(info, mixtral_config(info, layout, dtype=dtype,
                                                      dispatcher=args.moe_token_dispatcher_type,
                                                      **recompute_overrides(
@@ -201,14 +282,30 @@ def run_training(args) -> int:
         load_hf(model, info, hf)
     else:
         load_mcore(model, args.load)
-    if rank0:
-        print(f"data: {stats['samples']} samples ({stats['truncated']} truncated to "
-              f"--seq-length+1 tokens) packed into {stats['sequences']} sequences of "
-              f"{run.seq_length} (+{stats['held_out']} held out)", flush=True)
+    _say(rank0, f"loaded the base model in {time.monotonic() - loading:.1f} s")
+    held = (f"+{stats['held_out']} validation sequences from --valid-data-path "
+            f"{args.valid_data_path}" if getattr(args, "valid_data_path", None) else
+            f"+{stats['held_out']} held out")
+    _say(rank0, f"data: {stats['samples']} samples ({stats['truncated']} truncated to "
+                f"--seq-length+1 tokens) packed into {stats['sequences']} sequences of "
+                f"{run.seq_length} ({held})")
     apply_lora(model, lora)
+    if initial is not None:
+        for note in initial.notes:
+            _say(rank0, f"notice: {note}")
+        if initial.directory is not None:
+            from megatron_lora.training.checkpoint import load_adapter_weights
+
+            load_adapter_weights([model], initial.directory)  # collective
+            initial.cleanup()
+            _say(rank0, f"initial adapter weights from --adapter {initial.source} (a fresh "
+                        f"optimizer and LR schedule, from iteration 0)")
     metadata = {"lora": lora.to_dict(), "vocab_size": info.vocab_size,
                 "hidden_size": info.shape.hidden_size, "num_layers": info.shape.num_layers,
-                "num_experts": info.shape.num_experts}
+                "num_experts": info.shape.num_experts,
+                # Not compared on resume (training/resume.py): this run's flags, written as
+                # run_config.yaml into each checkpoint (training/checkpoint.py).
+                "run_config": resolved_config(args)}
     start = time.monotonic()
     try:
         result = train([model], train_set, run, optim, layout_name=layout.describe(),

@@ -54,13 +54,17 @@ def run_texts(tokenizer, ids: List[int], spans) -> List[str]:
     """The text of each (start, end) run of `ids`: the growth of the decoded prefix, so a run
     keeps the leading space a decoder drops at the start of a text (the run decoded alone where
     the prefix does not grow as a prefix, e.g. inside a split UTF-8 character)."""
-    out, before = [], ""
+    out, prefix = [], {0: ""}  # decoded ids[:i] by i
+
+    def upto(i):
+        if i not in prefix:
+            prefix[i] = tokenizer.decode(ids[:i], skip_special_tokens=False)
+        return prefix[i]
+
     for start, end in spans:
-        upto = tokenizer.decode(ids[:end], skip_special_tokens=False)
-        piece = upto[len(before):] if upto.startswith(before) else \
-            tokenizer.decode(ids[start:end], skip_special_tokens=False)
-        out.append(piece)
-        before = upto
+        before, through = upto(start), upto(end)
+        out.append(through[len(before):] if through.startswith(before) else
+                   tokenizer.decode(ids[start:end], skip_special_tokens=False))
     return out
 
 

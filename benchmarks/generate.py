@@ -8,7 +8,7 @@ linear_fc2 (non-zero factors), fp32, one rank on CPU (or the GPU when CUDA is us
 core attention that `megatron-lora generate` uses. A 16-token prompt is extended greedily by
 `megatron_lora.inference.generate` (the command's engine: megatron's forward-only schedule and a
 StaticInferenceContext). ms per token = the whole call's time (prefill included) / new tokens,
-best of --reps calls.
+best of --reps calls after a warm-up call.
 
 `kv_cache_ms_per_token_ratio_256_vs_32` = ms/token at 256 new tokens / ms/token at 32 (target
 <= 1.5: flat time per token). For contrast, the same greedy loop without a cache (the whole
@@ -77,6 +77,10 @@ def measure(sizes=(32, 256), reps: int = 3, no_cache: bool = True) -> dict:
         model.to(device).eval()
         prompt = torch.randint(0, shape.vocab_size, (PROMPT,),
                                generator=torch.Generator().manual_seed(3)).tolist()
+        # Warm-up (first calls allocate and pick kernels), not timed.
+        generate(model, prompt, SamplingConfig(max_new_tokens=4), eos_id=None,
+                 vocab_size=shape.vocab_size)
+        _no_cache(model, prompt, 4, device)
         for n in sizes:
             config = SamplingConfig(max_new_tokens=n)
             times, out = [], None

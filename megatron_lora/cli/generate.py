@@ -25,7 +25,8 @@ from megatron_lora.cli.common import add_layout_args, layout_from_args
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a model and adapter (torchrun)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       allow_abbrev=False)  # as Megatron-LM: a mistyped flag is an error
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megatron-core torch_dist checkpoint (from convert "
                      "hf-to-mcore)")

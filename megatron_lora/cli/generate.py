@@ -89,18 +89,9 @@ def _run(args) -> int:
     try:  # everything below is local to this rank: no collective yet
         sampling = _sampling(args)
         layout = layout_from_args(args)
-        if args.load_hf:
-            from megatron_lora.convert.hf_to_mcore import open_hf
+        from megatron_lora.cli.model_setup import open_model_source
 
-            info, hf, _ = open_hf(args.load_hf)
-        else:
-            from megatron_lora.convert.hf_to_mcore import read_mcore_info
-
-            info, hf = read_mcore_info(args.load, args.hf_config), None
-        info.validate_layout(layout, world_size, flags=True)
-        from megatron_lora.convert.checks import check_before_build
-
-        check_before_build(info, layout, dtype, load=args.load, hf_config=args.hf_config)
+        info, hf = open_model_source(args, layout, world_size, dtype)
         spec = args.tokenizer or args.load_hf
         if spec is None:
             return _fail("--tokenizer is needed with --load (tokenizer.json, an HF folder with "

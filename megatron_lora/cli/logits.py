@@ -108,19 +108,10 @@ def _run(args) -> int:
         return 2
     try:  # everything below is local to this rank: no collective yet
         layout = layout_from_args(args)
-        if args.load_hf:
-            from megatron_lora.convert.hf_to_mcore import open_hf
+        from megatron_lora.cli.model_setup import open_model_source
 
-            info, hf, _ = open_hf(args.load_hf)
-        else:
-            from megatron_lora.convert.hf_to_mcore import read_mcore_info
-
-            info, hf = read_mcore_info(args.load, args.hf_config), None
-        info.validate_layout(layout, world_size, flags=True)
-        from megatron_lora.convert.checks import check_before_build  # config vs checkpoint, memory
-
-        check_before_build(info, layout, torch.bfloat16 if args.bf16 else torch.float32,
-                           load=args.load, hf_config=args.hf_config)
+        info, hf = open_model_source(args, layout, world_size,
+                                     torch.bfloat16 if args.bf16 else torch.float32)
         tokens = read_tokens(args.tokens, info.vocab_size)
         _check_batch(tokens, layout, world_size, args.micro_batch_size, info)
         lora = None
@@ -141,14 +132,12 @@ def _run(args) -> int:
 
 
 def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
-    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     from megatron_lora import runtime
-    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.cli.model_setup import build_model
     from megatron_lora.convert.logits import forward_logits
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -156,24 +145,10 @@ def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
     os.environ.setdefault("MASTER_PORT", "29518")
     runtime.init_process_group()
     runtime.initialize(layout, model_sizes=info.shape.layout_sizes())
-    backend = getattr(args, "attention_backend", None)
-    grouped = getattr(args, "moe_grouped_gemm", None)
-    # A named local core attention or --moe-grouped-gemm mean the local layers; else the usual.
-    local = backend not in (None, "auto") or bool(grouped)
-    model = build_mixtral_model(info, mixtral_config(
-        info, layout, dtype=dtype, dispatcher=args.moe_token_dispatcher_type),
-        use_te=False if local else None, attention_backend=backend, moe_grouped_gemm=grouped)
-    model.to(runtime.device())
-    if hf is not None:
-        load_hf(model, info, hf)
-    else:
-        load_mcore(model, args.load)
-    if lora is not None:
-        from megatron_lora.lora.model import apply_lora
-        from megatron_lora.training.checkpoint import load_adapter_weights
-
-        apply_lora(model, lora, verbose=False)
-        load_adapter_weights([model], args.adapter)
+    model = build_model(info, layout, dtype, hf=hf, load=args.load, adapter=args.adapter,
+                        lora=lora, attention_backend=getattr(args, "attention_backend", None),
+                        moe_grouped_gemm=getattr(args, "moe_grouped_gemm", None),
+                        dispatcher=args.moe_token_dispatcher_type)
     logits = forward_logits(model, tokens.to(runtime.device()), info.vocab_size,
                             micro_batch_size=args.micro_batch_size)
     if logits is not None:

@@ -5,6 +5,25 @@ from __future__ import annotations
 from typing import Optional
 
 
+def open_model_source(args, layout, world_size: int, dtype):
+    """(MixtralInfo, HFCheckpoint or None) of --load-hf / --load (+ --hf-config), with the layout
+    checked against the model (flags named) and the config against the checkpoint and the memory
+    per rank. Local to this rank (no collective); raises the errors the commands report."""
+    from megatron_lora.convert.checks import check_before_build
+
+    if args.load_hf:
+        from megatron_lora.convert.hf_to_mcore import open_hf
+
+        info, hf, _ = open_hf(args.load_hf)
+    else:
+        from megatron_lora.convert.hf_to_mcore import read_mcore_info
+
+        info, hf = read_mcore_info(args.load, args.hf_config), None
+    info.validate_layout(layout, world_size, flags=True)
+    check_before_build(info, layout, dtype, load=args.load, hf_config=args.hf_config)
+    return info, hf
+
+
 def build_model(info, layout, dtype, *, hf=None, load: Optional[str] = None,
                 adapter: Optional[str] = None, lora=None, attention_backend: Optional[str] = None,
                 moe_grouped_gemm: Optional[bool] = None, dispatcher: str = "allgather"):

@@ -169,42 +169,45 @@ def add_arguments(p) -> None:
                    "(unset: a wandb folder in --save)")
 
 
-def _rank_pattern(text: str):
-    """REGEX=R for --lora-rank-pattern: (regex, positive int R); else exit 2 with usage."""
-    import argparse
+def _pattern(text: str, value, what: str, example: str):
+    """REGEX=V for the pattern flags: (regex, value(V)); value returns None for a bad V. Else
+    exit 2 with usage (argparse names the flag)."""
     import re
 
-    regex, sep, rank = text.rpartition("=")
-    if not sep or not regex or not rank.isdigit() or int(rank) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected REGEX=R with R a positive integer, "
-                                         f"e.g. router=4")
+    regex, sep, raw = text.rpartition("=")
+    parsed = value(raw) if sep and regex else None
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {what}, e.g. {example}")
     try:
         re.compile(regex)
     except re.error as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {regex!r} is not a regular expression "
                                          f"({exc})") from None
-    return regex, int(rank)
+    return regex, parsed
+
+
+def _positive_int(raw: str):
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
+def _positive_float(raw: str):
+    import math
+
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def _rank_pattern(text: str):
+    """REGEX=R for --lora-rank-pattern: (regex, positive int R)."""
+    return _pattern(text, _positive_int, "REGEX=R with R a positive integer", "router=4")
 
 
 def _alpha_pattern(text: str):
-    """REGEX=A for --lora-alpha-pattern: (regex, positive finite float A); else exit 2."""
-    import math
-    import re
-
-    regex, sep, alpha = text.rpartition("=")
-    try:
-        value = float(alpha) if sep and regex else None
-    except ValueError:
-        value = None
-    if value is None or not math.isfinite(value) or not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected REGEX=A with A a positive number, "
-                                         f"e.g. router=8")
-    try:
-        re.compile(regex)
-    except re.error as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {regex!r} is not a regular expression "
-                                         f"({exc})") from None
-    return regex, value
+    """REGEX=A for --lora-alpha-pattern: (regex, positive finite float A)."""
+    return _pattern(text, _positive_float, "REGEX=A with A a positive number", "router=8")
 
 
 def _run(args) -> int:

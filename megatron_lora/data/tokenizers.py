@@ -132,6 +132,11 @@ class HFTokenizer:
     def encode(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_special_tokens(self, text: str) -> List[int]:
+        """transformers' tokenizer(text).input_ids: tokenizer.json's post-processor places the
+        special tokens (Mixtral's: <s> first)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
     def encode_with_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
         """ids of `text` and each token's [start, end) character range in it."""
         enc = self._tok.encode(text, add_special_tokens=False)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_lora.convert.logits import is_writer_rank
 from megatron_lora.inference.sampling import SamplingConfig, next_token
 from megatron_lora.runtime.distributed import device as runtime_device
 from megatron_lora.runtime.versions import static_kv_cache
@@ -41,10 +42,7 @@ from megatron_lora.runtime.versions import static_kv_cache
 
 def _chooser_rank() -> int:
     """Global rank of the last pipeline stage's TP rank 0 in DP replica 0 (a collective)."""
-    mine = (parallel_state.is_pipeline_last_stage()
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0)
-    flag = torch.tensor([dist.get_rank() if mine else -1], dtype=torch.int64,
+    flag = torch.tensor([dist.get_rank() if is_writer_rank() else -1], dtype=torch.int64,
                         device=runtime_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag)

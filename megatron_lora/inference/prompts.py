@@ -11,10 +11,10 @@ Other keys are kept and written back with the result. Errors name the file and l
 
 from __future__ import annotations
 
-import json
 from typing import List
 
-from megatron_lora.jsonfile import os_reason, short
+from megatron_lora.data.tokenizers import ByteTokenizer
+from megatron_lora.jsonfile import decode_utf8, loads, os_reason, short
 
 
 class PromptError(ValueError):
@@ -28,19 +28,13 @@ def read_prompts(path: str) -> List[dict]:
             raw = f.read()
     except OSError as exc:
         raise PromptError(f"{path}: cannot read the prompts file ({os_reason(exc)})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PromptError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    text = decode_utf8(raw, path, PromptError)
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PromptError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+        record = loads(line, where, PromptError)
         if not isinstance(record, dict):
             raise PromptError(f"{where}: expected a JSON object, got {short(record)}")
         if "prompt" in record:
@@ -85,7 +79,6 @@ def encode_prompt(tokenizer, text: str) -> List[int]:
     special tokens (Mixtral's puts <s> first; transformers 5 ignores tokenizer_config.json's
     add_bos_token/add_eos_token when there is a tokenizer.json, and so does this). The byte
     tokenizer: <s> first, as in training samples."""
-    backend = getattr(tokenizer, "_tok", None)
-    if backend is None:
+    if isinstance(tokenizer, ByteTokenizer):
         return [tokenizer.bos_id, *tokenizer.encode(text)]
-    return backend.encode(text, add_special_tokens=True).ids
+    return tokenizer.encode_with_special_tokens(text)

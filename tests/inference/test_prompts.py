@@ -19,7 +19,7 @@ def _write(path, lines):
 
 
 @pytest.mark.parametrize("lines,match", [
-    (["{\"prompt\": \"a\"}", "not json"], r"p\.jsonl:2: not JSON"),
+    (["{\"prompt\": \"a\"}", "not json"], r"p\.jsonl:2: not valid JSON"),
     (["[1, 2]"], r"p\.jsonl:1: expected a JSON object"),
     (["{\"text\": \"a\"}"], r"'prompt' \(text\) or 'messages'"),
     (["{\"prompt\": \"\"}"], r"'prompt' must be a non-empty string"),

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "megatron_lora.cli.export",
     "megatron_lora.cli.import_peft",
     "megatron_lora.cli.data_preview",
+    "megatron_lora.cli.preprocess",
 ]
 
 

@@ -136,6 +136,8 @@ def convert(action, value, path: str, key: str):
             return not value  # a store_false switch named in the file: true means "given"
         return value
     if kind == "list":
+        if not isinstance(value, list) and getattr(action, "scalar_is_one_value", False):
+            value = [value]  # e.g. `data-path: train.jsonl`
         if not isinstance(value, list):
             raise ConfigFileError(f"{where}: expected a list (--{_name(action)} takes several "
                                   f"values, e.g. [a, b]), got {value!r}")

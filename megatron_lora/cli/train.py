@@ -74,8 +74,12 @@ def add_arguments(p) -> None:
                      "SequentialMLP, which --no-moe-grouped-gemm selects). Default: on with "
                      "--transformer-impl local on CUDA GPUs, off on CPU (slower there)")
     d = p.add_argument_group("data")
-    d.add_argument("--data-path", required=True, help="JSONL: {text} or {prompt, response} or "
-                   "{messages}")
+    data_path = d.add_argument(
+        "--data-path", required=True, nargs="+", metavar="PATH",
+        help="JSONL ({text} or {prompt, response} or {messages} lines), an indexed dataset "
+        "prefix from `megatron-lora preprocess` or Megatron-LM (PREFIX.bin/.idx, memory-mapped), "
+        "or Megatron-LM's weighted blend of them: W1 PATH1 W2 PATH2 ...")
+    data_path.scalar_is_one_value = True  # a --config file may give one path as a string
     d.add_argument("--tokenizer", required=True, help="tokenizer.json, an HF folder with one, "
                    "or 'byte'")
     d.add_argument("--seq-length", type=int, required=True,
@@ -84,8 +88,8 @@ def add_arguments(p) -> None:
                    help="fraction of the --data-path sequences held out for --eval-interval "
                    "(or give --valid-data-path)")
     d.add_argument("--valid-data-path", default=None, metavar="FILE",
-                   help="JSONL validation data for --eval-interval, in the forms of "
-                   "--data-path (instead of --eval-fraction)")
+                   help="validation data for --eval-interval: a JSONL file or an indexed "
+                   "prefix, as for --data-path (instead of --eval-fraction)")
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=1,
                    help="sequences per micro-batch on each data-parallel rank")

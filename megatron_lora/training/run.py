@@ -163,7 +163,7 @@ def _check_outputs(args) -> None:
     from megatron_lora.convert.outputs import check_output
 
     inputs = {"--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
-              "--data-path": args.data_path, "--tokenizer": args.tokenizer,
+              **_data_inputs(args.data_path), "--tokenizer": args.tokenizer,
               "--valid-data-path": getattr(args, "valid_data_path", None),
               "--adapter": getattr(args, "adapter", None)}
     inputs = {k: v for k, v in inputs.items() if v}
@@ -172,18 +172,35 @@ def _check_outputs(args) -> None:
             check_output(path, kind="dir", exists_ok=True, inputs=inputs, flag=flag)
 
 
+def _data_inputs(values) -> dict:
+    """{flag: path} of the --data-path files (a prefix's .bin and .idx; a blend's every path)."""
+    from megatron_lora.data.indexed import is_prefix
+
+    values = [values] if isinstance(values, str) else list(values)
+    paths = values[1::2] if len(values) > 1 else values  # a blend: W1 PATH1 W2 PATH2 ...
+    out = {}
+    for i, path in enumerate(paths):
+        name = "--data-path" if i == 0 else f"--data-path ({i + 1})"
+        out.update({name + " .bin": path + ".bin", name + " .idx": path + ".idx"}
+                   if is_prefix(path) else {name: path})
+    return out
+
+
 def _datasets(args, info, run):
-    from megatron_lora.data import PackedDataset, load_tokenizer, pack_samples, read_jsonl
-    from megatron_lora.data.packing import PackedRows
+    """(train, evaluation or None, stats) from --data-path (JSONL, an indexed prefix or a
+    weighted blend of them: data/sources.py), --eval-fraction and --valid-data-path."""
+    from megatron_lora.data import DataError, load_tokenizer
+    from megatron_lora.data.sources import open_data
 
     tokenizer = load_tokenizer(args.tokenizer)
     if tokenizer.vocab_size > info.vocab_size:
         raise TrainSetupError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size {info.vocab_size}")
-    samples, truncated = read_jsonl(args.data_path, tokenizer, max_tokens=run.seq_length + 1)
-    rows = pack_samples(samples, run.seq_length, tokenizer.pad_id)
-    n = rows.tokens.shape[0]
-    n_eval = int(round(n * args.eval_fraction))
+    data = open_data(args.data_path, tokenizer, run.seq_length, run.seed,
+                     eval_fraction=args.eval_fraction)
+    train, evaluation = data.train, data.held_out
+    n_eval = len(evaluation) if evaluation is not None else 0
+    n = len(train) + n_eval
     valid_path = getattr(args, "valid_data_path", None)
     if args.eval_interval and not valid_path and n_eval == 0:
         raise TrainSetupError(
@@ -191,30 +208,21 @@ def _datasets(args, info, run):
             "part of --data-path with --eval-fraction F" + (
                 f" (--eval-fraction {args.eval_fraction} of {n} sequences rounds to none)"
                 if args.eval_fraction else ""))
-
-    def take(lo, hi):
-        return PackedRows(rows.tokens[lo:hi], rows.targets[lo:hi], rows.sample_ids[lo:hi],
-                          rows.num_samples)
-
-    train = PackedDataset(take(0, n - n_eval), seed=run.seed)
-    evaluation = PackedDataset(take(n - n_eval, n), seed=run.seed) if n_eval else None
-    stats = dict(samples=len(samples), truncated=truncated, sequences=n - n_eval, held_out=n_eval)
+    stats = dict(samples=data.samples, truncated=data.truncated, sequences=n - n_eval,
+                 held_out=n_eval)
     if valid_path:
         # Packed like --data-path; evaluate() reads its batches from the start of the order
         # PackedDataset derives from --seed, as for the --eval-fraction held-out part.
-        from megatron_lora.data import DataError
-
         try:
-            valid, valid_truncated = read_jsonl(valid_path, tokenizer,
-                                                max_tokens=run.seq_length + 1)
+            valid = open_data(valid_path, tokenizer, run.seq_length, run.seed,
+                              flag="--valid-data-path")
         except DataError as exc:  # names file:line; the flag tells which input it is
-            raise TrainSetupError(f"--valid-data-path: {exc}") from None
-        if not valid:
-            raise TrainSetupError(f"--valid-data-path: {valid_path}: no usable samples")
-        valid_rows = pack_samples(valid, run.seq_length, tokenizer.pad_id)
-        evaluation = PackedDataset(valid_rows, seed=run.seed)
-        stats.update(valid_samples=len(valid), valid_truncated=valid_truncated,
-                     held_out=valid_rows.tokens.shape[0])
+            message = str(exc)
+            raise TrainSetupError(message if message.startswith("--valid-data-path") else
+                                  f"--valid-data-path: {message}") from None
+        evaluation = valid.train
+        stats.update(valid_samples=valid.samples, valid_truncated=valid.truncated,
+                     held_out=len(evaluation))
     return train, evaluation, stats
 
 

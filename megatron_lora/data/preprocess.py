@@ -1,0 +1,269 @@
+"""JSONL training data -> megatron-core indexed datasets (`megatron-lora preprocess`).
+
+Output at `--output-prefix P` (the files Megatron-LM's `preprocess_data.py` writes, read by
+`megatron.core.datasets.indexed_dataset.IndexedDataset`):
+
+| file | contents |
+|---|---|
+| `P.bin`, `P.idx` | token ids: one sequence and one document per sample, dtype uint16 for a vocabulary under 65500 tokens, else int32 (megatron's `DType.optimal_dtype`) |
+| `P_targets.bin`, `P_targets.idx` | the samples' loss masks, uint8 0/1, one sequence per sample of the same length as its tokens |
+| `P.json` | what wrote them: format, tokenizer name and special ids, counts |
+
+A sample is what `train` makes of one JSONL line (`data/jsonl.py`'s `parse_record`: bos, text,
+eos, loss masks, chat templates), untruncated; `train` truncates to --seq-length+1 and drops
+samples left without a target when it reads the prefix, as it does for JSONL. Megatron-LM tools
+read `P.bin`/`P.idx` as an ordinary dataset of one-sequence documents.
+
+Writing is streaming: lines are read and tokenized in chunks of `chunk_lines`, at most
+`2 * workers` chunks in flight, so memory does not grow with the input (megatron's builder keeps
+only the per-sample lengths, 8 bytes a sample). `workers > 1` tokenizes in a process pool; chunks
+are written in input order, so the files are byte-identical for any number of workers.
+
+Outputs are atomic: everything is written under temporary names (`P.bin.partial-PID`, ...) and
+renamed at the end, `P_targets.idx` and then `P.idx` last, after an existing `P.idx` has been
+removed (with overwrite). `train` accepts a prefix only when `P.idx` exists, so a run killed at any
+point leaves no prefix it accepts; an exception removes the temporary files.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_lora.data.jsonl import DataError, parse_record
+from megatron_lora.jsonfile import decode_utf8, loads, os_reason
+
+FORMAT = "megatron-lora indexed samples"
+FORMAT_VERSION = 1
+TARGETS_SUFFIX = "_targets"
+# Every file of a prefix, in the order they are renamed into place (P.idx last: it makes the prefix).
+SUFFIXES = (".bin", TARGETS_SUFFIX + ".bin", ".json", TARGETS_SUFFIX + ".idx", ".idx")
+
+Chunk = List[Tuple[str, bytes]]  # ("file:line", raw line bytes)
+
+
+class PreprocessError(ValueError):
+    """Bad preprocess input or output; the message names the file (and line) or the flag."""
+
+
+@dataclass
+class PreprocessStats:
+    samples: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    lines: int = 0
+    skipped: List[str] = field(default_factory=list)  # messages of the bad lines skipped
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"samples": self.samples, "tokens": self.tokens,
+                "trained_tokens": self.trained_tokens, "lines": self.lines,
+                "skipped_lines": len(self.skipped)}
+
+
+def prefix_files(prefix: str) -> List[str]:
+    """The paths of every file a prefix has, in rename order."""
+    return [prefix + s for s in SUFFIXES]
+
+
+def _chunks(paths: Sequence[str], chunk_lines: int, stats: PreprocessStats) -> Iterator[Chunk]:
+    """Non-blank lines of `paths`, in order, `chunk_lines` at a time (bytes counted as read)."""
+    chunk: Chunk = []
+    for path in paths:
+        try:
+            f = open(path, "rb")
+        except OSError as exc:
+            raise PreprocessError(f"--input {path}: cannot read: {os_reason(exc)}") from None
+        with f:
+            for lineno, raw in enumerate(f, 1):
+                stats.bytes_read += len(raw)
+                if not raw.strip():
+                    continue
+                chunk.append((f"{path}:{lineno}", raw))
+                if len(chunk) >= chunk_lines:
+                    yield chunk
+                    chunk = []
+    if chunk:
+        yield chunk
+
+
+Encoded = Tuple[List[Tuple[np.ndarray, np.ndarray]], List[str]]  # (samples, bad-line messages)
+
+
+def encode_chunk(tokenizer, chunk: Chunk) -> Encoded:
+    """[(tokens int64 [n], loss mask uint8 [n])] for the good lines of `chunk`, in order, and
+    the DataError message ("file:line: ...") of each bad one."""
+    out, bad = [], []
+    for where, raw in chunk:
+        try:
+            sample = parse_record(tokenizer, loads(decode_utf8(raw, where, DataError), where,
+                                                   DataError), where)
+        except DataError as exc:
+            bad.append(str(exc))
+            continue
+        out.append((np.asarray(sample.tokens, dtype=np.int64),
+                    np.asarray(sample.loss_mask, dtype=np.uint8)))
+    return out, bad
+
+
+_WORKER_TOKENIZER = None
+
+
+def _worker_init(tokenizer_spec: str) -> None:
+    global _WORKER_TOKENIZER
+    from megatron_lora.data.tokenizers import load_tokenizer
+
+    _WORKER_TOKENIZER = load_tokenizer(tokenizer_spec)
+
+
+def _worker_encode(chunk: Chunk) -> Encoded:
+    return encode_chunk(_WORKER_TOKENIZER, chunk)
+
+
+def _encoded(chunks: Iterator[Chunk], tokenizer, tokenizer_spec: str,
+             workers: int) -> Iterator[Encoded]:
+    """encode_chunk of each chunk, in input order; with workers > 1 in a process pool with at
+    most 2 * workers chunks in flight (Pool.imap would read the whole input ahead)."""
+    if workers <= 1:
+        for chunk in chunks:
+            yield encode_chunk(tokenizer, chunk)
+        return
+    import multiprocessing
+
+    # fork: the workers start at once; the parent never tokenizes, so the tokenizers library's
+    # threads are not in use when it forks.
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer_spec,)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_worker_encode, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _Progress:
+    """One line on stderr every `interval` seconds: samples, samples/s, bytes read of total."""
+
+    def __init__(self, total_bytes: int, interval: float, stream=None):
+        self.total, self.interval = total_bytes, interval
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = self.last = time.monotonic()
+
+    def line(self, stats: PreprocessStats) -> str:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        pct = 100.0 * stats.bytes_read / self.total if self.total else 100.0
+        return (f"preprocess: {stats.samples} samples, {stats.tokens} tokens, "
+                f"{stats.samples / elapsed:.0f} samples/s, {stats.bytes_read / 2**20:.1f} of "
+                f"{self.total / 2**20:.1f} MiB read ({pct:.0f}%), {elapsed:.1f} s")
+
+    def maybe(self, stats: PreprocessStats) -> None:
+        now = time.monotonic()
+        if self.interval >= 0 and now - self.last >= self.interval:
+            self.last = now
+            print(self.line(stats), file=self.stream, flush=True)
+
+
+def check_prefix_free(prefix: str, overwrite: bool) -> None:
+    """Refuse an output prefix that has files already (unless overwrite) or whose folder is
+    missing."""
+    folder = os.path.dirname(os.path.abspath(prefix))
+    if not os.path.isdir(folder):
+        raise PreprocessError(f"--output-prefix {prefix}: the folder {folder} does not exist")
+    existing = [p for p in prefix_files(prefix) if os.path.lexists(p)]
+    if existing and not overwrite:
+        raise PreprocessError(f"--output-prefix {prefix}: {', '.join(existing)} already "
+                              f"exist(s); pass --overwrite to replace them")
+
+
+def _dtype_for(vocab_size: int):
+    from megatron.core.datasets.indexed_dataset import DType
+
+    return DType.optimal_dtype(vocab_size)
+
+
+def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers: int = 1,
+               skip_bad_lines: bool = False, overwrite: bool = False, chunk_lines: int = 256,
+               progress_interval: float = 5.0, progress_stream=None,
+               _before_rename: Optional[Callable[[], None]] = None) -> PreprocessStats:
+    """Write the samples of the JSONL files `inputs` (in order) at `prefix` (module docstring).
+
+    Raises PreprocessError: a bad line ("file:line: reason") unless skip_bad_lines, an existing
+    prefix without overwrite, no samples at all. `_before_rename` (tests) runs after the data is
+    written and before anything is renamed into place.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_lora.data.tokenizers import load_tokenizer
+
+    if workers < 1:
+        raise PreprocessError(f"--workers must be at least 1, got {workers}")
+    if chunk_lines < 1:
+        raise PreprocessError(f"--chunk-lines must be at least 1, got {chunk_lines}")
+    check_prefix_free(prefix, overwrite)
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"--input {path}: no such file")
+    tokenizer = load_tokenizer(tokenizer_spec)
+    stats = PreprocessStats()
+    progress = _Progress(sum(os.path.getsize(p) for p in inputs), progress_interval,
+                         progress_stream)
+    temp = {suffix: f"{prefix}{suffix}.partial-{os.getpid()}" for suffix in SUFFIXES}
+    tokens_out = targets_out = None
+    try:
+        tokens_out = IndexedDatasetBuilder(temp[".bin"], dtype=_dtype_for(tokenizer.vocab_size))
+        targets_out = IndexedDatasetBuilder(temp[TARGETS_SUFFIX + ".bin"], dtype=np.uint8)
+        for samples, bad in _encoded(_chunks(inputs, chunk_lines, stats), tokenizer,
+                                     tokenizer_spec, workers):
+            if bad and not skip_bad_lines:
+                raise PreprocessError(f"{bad[0]} (pass --skip-bad-lines to skip bad lines)")
+            stats.skipped += bad
+            stats.lines += len(samples) + len(bad)
+            for ids, mask in samples:
+                tokens_out.add_document(ids, [ids.size])
+                targets_out.add_document(mask, [mask.size])
+                stats.samples += 1
+                stats.tokens += int(ids.size)
+                stats.trained_tokens += int(mask.sum())
+            progress.maybe(stats)
+        if stats.samples == 0:
+            raise PreprocessError(f"--input {' '.join(inputs)}: no samples"
+                                  + (f" ({len(stats.skipped)} bad lines skipped)"
+                                     if stats.skipped else ""))
+        tokens_out.finalize(temp[".idx"])
+        targets_out.finalize(temp[TARGETS_SUFFIX + ".idx"])
+        stats.seconds = time.monotonic() - progress.start
+        meta = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer_spec,
+                "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
+                "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
+                "targets": os.path.basename(prefix) + TARGETS_SUFFIX, **stats.to_dict()}
+        with open(temp[".json"], "w") as f:
+            json.dump(meta, f, indent=1)
+        if _before_rename is not None:
+            _before_rename()
+        if os.path.lexists(prefix + ".idx"):  # overwrite: the old prefix stops being one first
+            os.unlink(prefix + ".idx")
+        for suffix in SUFFIXES:
+            os.replace(temp[suffix], prefix + suffix)
+    except BaseException:
+        for builder in (tokens_out, targets_out):
+            if builder is not None and not builder.data_file.closed:
+                builder.data_file.close()
+        for path in temp.values():
+            if os.path.lexists(path):
+                os.unlink(path)
+        raise
+    return stats
+
+
+__all__ = ["FORMAT", "PreprocessError", "PreprocessStats", "TARGETS_SUFFIX", "check_prefix_free",
+           "encode_chunk", "prefix_files", "preprocess"]

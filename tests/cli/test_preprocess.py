@@ -1,0 +1,93 @@
+"""`megatron-lora preprocess` as a user runs it (through main, in this process), and `train
+--data-path` taking its prefix or a weighted blend (train's setup, before any collective)."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_lora.cli import build_parser, main
+
+
+def _run(capsys, *argv):
+    code = main(["preprocess", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "response": f" a{i}"}) + "\n"
+                            for i in range(30)))
+    return str(path)
+
+
+def test_preprocess_writes_a_prefix_and_reports_it(capsys, data, tmp_path):
+    prefix = str(tmp_path / "out")
+    code, out, err = _run(capsys, "--input", data, "--tokenizer", "byte", "--output-prefix",
+                          prefix, "--workers", "2", "--chunk-lines", "4", "--log-interval", "0")
+    assert code == 0, err
+    assert out.startswith(f"wrote {prefix}.bin/.idx and {prefix}_targets.bin/.idx: 30 samples, ")
+    assert "0 bad lines skipped" in out and "2 workers" in out
+    assert "preprocess: 30 samples" in err and "samples/s" in err and "MiB read (100%)" in err
+    assert all(os.path.isfile(prefix + s) for s in (".bin", ".idx", "_targets.bin",
+                                                     "_targets.idx", ".json"))
+    code, _, err = _run(capsys, "--input", data, "--tokenizer", "byte", "--output-prefix", prefix)
+    assert code == 2 and "already exist" in err and "pass --overwrite" in err
+
+
+def test_bad_lines_exit_2_naming_file_and_line_or_are_skipped(capsys, data, tmp_path):
+    with open(data, "a") as f:
+        f.write('{"prompt": 1, "response": "x"}\n')
+    prefix = str(tmp_path / "out")
+    code, out, err = _run(capsys, "--input", data, "--tokenizer", "byte", "--output-prefix",
+                          prefix, "--log-interval", "-1")
+    assert code == 2 and out == ""
+    assert err == (f"megatron-lora preprocess: error: {data}:31: 'prompt' and 'response' must "
+                   f"both be strings (pass --skip-bad-lines to skip bad lines)\n")
+    code, out, err = _run(capsys, "--input", data, "--tokenizer", "byte", "--output-prefix",
+                          prefix, "--skip-bad-lines", "--log-interval", "-1")
+    assert code == 0 and "30 samples" in out and "1 bad lines skipped" in out
+    assert err == f"skipped: {data}:31: 'prompt' and 'response' must both be strings\n"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_example):
+    return tiny_example(tmp_path_factory.mktemp("tiny_pp"), samples=24)
+
+
+def _setup(tiny, *data_path, extra=()):
+    from megatron_lora.runtime import ParallelLayout
+    from megatron_lora.training.run import _setup_checks
+
+    args = build_parser().parse_args(
+        ["train", "--load-hf", os.path.join(tiny, "hf"), "--data-path", *data_path,
+         "--tokenizer", "byte", "--seq-length", "32", "--global-batch-size", "4",
+         "--train-iters", "2", *extra])
+    out = _setup_checks(args, ParallelLayout(), 1)
+    assert not dist.is_initialized()
+    return out[5]  # (train, evaluation, stats)
+
+
+def test_train_reads_a_prefix_and_a_blend(capsys, tiny, tmp_path):
+    jsonl = os.path.join(tiny, "data.jsonl")
+    prefix = str(tmp_path / "tiny")
+    assert _run(capsys, "--input", jsonl, "--tokenizer", "byte", "--output-prefix", prefix)[0] == 0
+    train_j, _, stats_j = _setup(tiny, jsonl)
+    train_p, held_p, stats_p = _setup(tiny, prefix)
+    assert stats_p == stats_j and held_p is None
+    for pos in (0, 4, 20):
+        assert torch.equal(train_p.batch(pos, 4).tokens, train_j.batch(pos, 4).tokens)
+    train_b, held_b, stats_b = _setup(tiny, "0.5", prefix, "0.5", jsonl,
+                                      extra=("--eval-fraction", "0.25"))
+    assert stats_b["samples"] == 2 * stats_j["samples"] and len(held_b) > 0
+    from megatron_lora.training.run import TrainSetupError
+
+    with pytest.raises(TrainSetupError, match="--data-path: expected one path, or weight-path"):
+        _setup(tiny, "0.5", prefix, jsonl)
+    os.unlink(prefix + ".idx")  # what a killed preprocess leaves: no prefix
+    with pytest.raises(TrainSetupError, match="neither a JSONL file nor an indexed dataset"):
+        _setup(tiny, prefix)

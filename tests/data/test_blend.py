@@ -1,0 +1,92 @@
+"""data/blend.py: weighted blends (Megatron-LM's `--data-path 0.7 A 0.3 B`) draw in proportion,
+deterministically, addressed by consumed samples (so a resume continues exactly)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lora.data import load_tokenizer
+from megatron_lora.data.blend import BlendedDataset, blend_schedule, parse_blend
+from megatron_lora.data.preprocess import preprocess
+from megatron_lora.data.sources import open_data
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.25, 0.125, 0.125], [0.9, 0.07, 0.03]])
+def test_proportions_are_within_the_stated_tolerance_at_every_length(weights):
+    """After every n draws, dataset d was drawn w_d * n times within 1 + D/2 (D datasets)."""
+    n = 20000
+    dataset, draw = blend_schedule(weights, n)
+    counts = np.stack([np.cumsum(dataset == d) for d in range(len(weights))], axis=1)
+    expected = np.outer(np.arange(1, n + 1), weights)
+    assert np.abs(counts - expected).max() <= 1 + len(weights) / 2
+    for d in range(len(weights)):  # the k-th draw of d is numbered k
+        assert draw[dataset == d].tolist() == list(range(int((dataset == d).sum())))
+
+
+def test_the_schedule_is_a_pure_function_of_the_position():
+    whole, draws = blend_schedule([0.7, 0.3], 5000)
+    for n in (1, 7, 1000, 4999):
+        part, part_draws = blend_schedule([0.7, 0.3], n)
+        assert np.array_equal(part, whole[:n]) and np.array_equal(part_draws, draws[:n])
+    assert np.array_equal(blend_schedule([7, 3], 5000)[0], whole)  # weights are normalised
+
+
+def test_parse_blend_forms_and_errors():
+    assert parse_blend(["a"]) == [(1.0, "a")]
+    assert parse_blend(["3", "a", "1", "b"]) == [(0.75, "a"), (0.25, "b")]
+    with pytest.raises(ValueError, match="--data-path: expected one path, or weight-path pairs"):
+        parse_blend(["0.5", "a", "b"])
+    with pytest.raises(ValueError, match="'a' is not a weight"):
+        parse_blend(["a", "b"])
+    with pytest.raises(ValueError, match="the weight of b must be a positive number, got -1"):
+        parse_blend(["1", "a", "-1", "b"])
+
+
+def _prefix(folder, name, n, tag):
+    path = os.path.join(folder, name + ".jsonl")
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"{tag}{i}"}) + "\n")
+    preprocess([path], "byte", os.path.join(folder, name), progress_interval=-1)
+    return os.path.join(folder, name), path
+
+
+def test_a_blend_of_prefixes_draws_their_rows_in_proportion_and_resumes_exactly(tmp_path):
+    tok = load_tokenizer("byte")
+    a, a_jsonl = _prefix(str(tmp_path), "a", 30, "A")
+    b, _ = _prefix(str(tmp_path), "b", 11, "B")
+    # One sample per row: rows of 7 tokens hold one sample of 4-5 tokens ("<s>A12</s>"), not two.
+    blend = open_data(["0.7", a, "0.3", b], tok, 6, seed=3).train
+    assert isinstance(blend, BlendedDataset) and len(blend) == 41
+    gbs, steps = 10, 40
+    first = [blend.batch(i * gbs, gbs).tokens for i in range(steps)]
+    from_a = sum(int((t[:, 1] == ord("A")).sum()) for t in first)
+    from_b = sum(int((t[:, 1] == ord("B")).sum()) for t in first)
+    assert from_a + from_b == gbs * steps
+    assert abs(from_a - 0.7 * gbs * steps) <= 2  # 1 + D/2
+    # A fresh dataset (a resumed run) asked from consumed samples 170 on: the same batches.
+    again = open_data(["0.7", a, "0.3", b], tok, 6, seed=3).train
+    for i in (17, 39):
+        assert torch.equal(again.batch(i * gbs, gbs).tokens, first[i])
+    # The A part of the blend is prefix A's own stream in its seed order, JSONL or prefix.
+    alone = open_data([a_jsonl], tok, 6, seed=3).train
+    mine = [row for t in first[:6] for row in t if row[1] == ord("A")]
+    expected = [alone.batch(k, 1).tokens[0] for k in range(len(mine))]
+    assert all(torch.equal(x, y) for x, y in zip(mine, expected))
+    other = open_data(["0.7", a, "0.3", b], tok, 6, seed=4).train
+    assert not torch.equal(other.batch(0, gbs).tokens, first[0])
+
+
+def test_a_blend_holds_out_each_part(tmp_path):
+    tok = load_tokenizer("byte")
+    a, _ = _prefix(str(tmp_path), "a", 20, "A")
+    b, b_jsonl = _prefix(str(tmp_path), "b", 10, "B")
+    data = open_data(["1", a, "1", b_jsonl], tok, 6, seed=3, eval_fraction=0.2)
+    assert len(data.train) == 16 + 8 and len(data.held_out) == 4 + 2
+    from megatron_lora.data import DataError
+
+    with pytest.raises(DataError, match="holds out no sequence of"):
+        open_data(["1", a, "1", b], tok, 6, seed=3, eval_fraction=0.04)

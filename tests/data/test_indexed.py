@@ -1,0 +1,146 @@
+"""data/indexed.py (and data/sources.py): a preprocessed prefix gives the batches of its JSONL
+file, row for row, at every consumed-samples position; Megatron-LM prefixes without loss masks
+train on every token; mismatched inputs are refused; training losses are identical (TP2+SP)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lora.data import DataError, load_tokenizer
+from megatron_lora.data.indexed import IndexedSamples, plan_packing
+from megatron_lora.data.preprocess import preprocess
+from megatron_lora.data.sources import open_data
+from megatron_lora.runtime import ParallelLayout
+from tests.data.tiny_tokenizers import chatml_folder
+from tests.harness import multirank
+
+FIELDS = ("tokens", "labels", "loss_mask", "attention_mask")
+
+
+def _lines(n):
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            out.append({"text": f"sample {i}: " + "word " * (i % 9)})
+        elif kind == 1:
+            out.append({"prompt": f"Q{i}: " + "ctx " * (i % 6), "response": f" answer {i}"})
+        elif kind == 2:
+            out.append({"messages": [{"role": "user", "content": f"hi {i}"},
+                                     {"role": "assistant", "content": "ok " * (i % 5 + 1)}]})
+        else:  # all context once truncated at short lengths: dropped there, as in read_jsonl
+            out.append({"prompt": "p" * 40, "response": " r"})
+    return out
+
+
+def _data(folder, spec, n=64):
+    path = os.path.join(folder, "d.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in _lines(n))
+    prefix = os.path.join(folder, "d")
+    preprocess([path], spec, prefix, progress_interval=-1)
+    return path, prefix
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    return chatml_folder(tmp_path_factory.mktemp("chatml"))
+
+
+def _assert_same(a, b, positions, gbs=5):
+    for pos in positions:
+        x, y = a.batch(pos, gbs), b.batch(pos, gbs)
+        for k in FIELDS:
+            assert torch.equal(getattr(x, k), getattr(y, k)), (pos, k)
+
+
+@pytest.mark.parametrize("spec", ["byte", "chatml"])
+@pytest.mark.parametrize("seq_length", [24, 64])
+def test_prefix_batches_are_the_jsonl_batches(tmp_path, spec, seq_length, chatml):
+    spec = chatml if spec == "chatml" else spec
+    tok = load_tokenizer(spec)
+    path, prefix = _data(str(tmp_path), spec)
+    for fraction in (0.0, 0.25):
+        a = open_data([path], tok, seq_length, seed=7, eval_fraction=fraction)
+        b = open_data([prefix], tok, seq_length, seed=7, eval_fraction=fraction)
+        assert (a.samples, a.truncated) == (b.samples, b.truncated)
+        assert len(a.train) == len(b.train) > 4
+        # Into the second and third epochs (re-shuffled): the whole order, not just the first.
+        _assert_same(a.train, b.train, [0, 3, len(a.train) - 2, 2 * len(a.train) + 1])
+        if fraction:
+            assert len(a.held_out) == len(b.held_out) > 0
+            _assert_same(a.held_out, b.held_out, [0, 1])
+    if seq_length == 24:
+        assert a.truncated > 0 and a.samples < 64  # truncation and dropped samples exercised
+    other = open_data([prefix], tok, seq_length, seed=8)
+    assert not torch.equal(other.train.batch(0, 5).tokens, b.train.batch(0, 5).tokens)
+
+
+def test_a_megatron_lm_prefix_trains_on_every_token(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "mlm")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    docs = [[256, 5, 6, 7, 257], [256, 9, 257], [3]]
+    for doc in docs:
+        builder.add_document(np.array(doc), [len(doc)])
+    builder.finalize(prefix + ".idx")
+    samples = IndexedSamples(prefix)
+    assert samples.targets_ds is None and samples.targets(0).tolist() == [1] * 5
+    plan = plan_packing(samples, 9)
+    assert plan.kept.tolist() == [0, 1] and plan.row_starts.tolist() == [0, 2]  # [3] dropped
+    data = open_data([prefix], load_tokenizer("byte"), 5, seed=1)  # rows of 6: one sample each
+    batch = data.train.batch(0, 2)
+    assert sorted(batch.tokens.tolist()) == [[256, 5, 6, 7, 257], [256, 9, 257, 258, 258]]
+    assert batch.loss_mask.sum() == 4 + 2
+
+
+def test_mismatched_or_incomplete_prefixes_are_refused(tmp_path, chatml):
+    path, prefix = _data(str(tmp_path), "byte", n=8)
+    with pytest.raises(DataError, match="written with the tokenizer 'byte'.*vocab_size 259 there"):
+        open_data([prefix], load_tokenizer(chatml), 32, seed=1)
+    os.rename(prefix + "_targets.idx", prefix + "_targets.idx.moved")
+    with pytest.raises(DataError, match="the loss masks written by `megatron-lora preprocess`"):
+        open_data([prefix], load_tokenizer("byte"), 32, seed=1)
+    with pytest.raises(DataError, match="--data-path .*nothing: neither a JSONL file nor"):
+        open_data([str(tmp_path / "nothing")], load_tokenizer("byte"), 32, seed=1)
+
+
+@pytest.fixture(scope="module")
+def loss_data(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("indexed_losses"))
+    _data(folder, "byte", n=48)
+    return folder
+
+
+_TP2_SP = ParallelLayout(tp=2, sp=True)
+
+
+@multirank(world_size=2, timeout=300)
+def test_training_losses_from_a_prefix_equal_those_from_its_jsonl(loss_data, layout=_TP2_SP):
+    """The same LoRA run (fp32, dropout 0.1) from the JSONL file and from its prefix: identical
+    losses at TP2+SP, and it trains."""
+    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.runtime.rng import seed_everything
+    from megatron_lora.training.loop import train
+    from tests.training import _support as S
+
+    tok = load_tokenizer("byte")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, seed=11,
+                      target_modules=["linear_qkv", "linear_proj", "linear_fc2"])
+    losses = {}
+    for name in ("d.jsonl", "d"):
+        seed_everything(29)  # the same base weights and dropout masks in both runs
+        model = S.model(layout)
+        adapters = apply_lora(model, lora, verbose=False)
+        data = open_data([os.path.join(loss_data, name)], tok, S.SEQ, seed=5)
+        result = train([model], data.train, S.run_config(iters=3), S.optim(3),
+                       layout_name=layout.describe())
+        losses[name] = [result.losses[i] for i in range(1, 4)]
+        assert all(float(ad.lora_B.abs().max()) > 0 for ad in adapters.values())
+    assert losses["d"] == losses["d.jsonl"], losses
+    assert losses["d"][-1] < losses["d"][0]
+    assert len(set(losses["d"])) == 3

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from megatron_lora.lora import collectives as C
+from megatron_lora.lora import dora as D
 from megatron_lora.lora import merge as M
 from megatron_lora.lora.checkpoint import (
     accept_unwrapped_keys,
@@ -138,6 +139,8 @@ class LoraAdapter(torch.nn.Module):
             raise TypeError(f"config must be an AdapterConfig, got {type(config).__name__}")
         # All validation is local and comes before anything that could communicate.
         geometry = describe_base_layer(base_layer)
+        if config.use_dora:
+            D.check_dora_base(geometry)
         limit = min(geometry.in_features, geometry.out_features)
         if config.rank > limit:
             raise ValueError(
@@ -167,6 +170,11 @@ class LoraAdapter(torch.nn.Module):
             a = _shard(a, 1, t, rank)
         self.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
         self.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype).contiguous())
+        if config.use_dora:
+            # DoRA magnitude m [out_local], initialised as PEFT does to ||W + scale B A||_row
+            # (row bases: one [out] all-reduce over the base's group, see dora.py).
+            m = D.weight_norm(self)
+            setattr(self, D.MAGNITUDE, torch.nn.Parameter(m.to(dtype=dtype).contiguous()))
         self._set_parallel_attributes(weight)
         if freeze_base:
             for p in base_layer.parameters(recurse=False):
@@ -204,6 +212,20 @@ class LoraAdapter(torch.nn.Module):
         allreduce = not g.is_expert and getattr(base_weight, "allreduce", True)
         for p in (self.lora_A, self.lora_B):
             p.allreduce = allreduce
+        m = self.magnitude
+        if m is not None:
+            # Column: sharded like the base's output rows (with its stride); row: replicated,
+            # its gradient partial over tokens under SP (summed like the replicated factor's).
+            column = g.mode == COLUMN
+            set_tensor_model_parallel_attributes(m, column, 0 if column else -1,
+                                                 g.stride if column else 1)
+            m.sequence_parallel = (not column) and g.sequence_parallel and not g.is_expert
+            m.allreduce = allreduce
+
+    @property
+    def magnitude(self) -> Optional[torch.Tensor]:
+        """The DoRA magnitude vector (column: [out/t], row: [out]), or None without DoRA."""
+        return self._parameters.get(D.MAGNITUDE)
 
     # ---------------------------------------------------------------------------------------
     # forward
@@ -212,7 +234,59 @@ class LoraAdapter(torch.nn.Module):
         output, bias = self.base_layer(input_, *args, **kwargs)
         if self.merged or self._disabled:
             return output, bias
-        return self._lora(input_, self._gathers_output(args, kwargs), add_to=output), bias
+        gather_output = self._gathers_output(args, kwargs)
+        if self.magnitude is not None:
+            base_fn = lambda d: self.base_layer(d, *args, **kwargs)[0]  # noqa: E731
+            return self.dora_forward(input_, output, D.added_bias(self, bias), gather_output,
+                                     base_fn), bias
+        return self._lora(input_, gather_output, add_to=output), bias
+
+    def dora_scale(self) -> torch.Tensor:
+        """m / ||W + scale B A||_row ([out_local], the norm detached; see dora.py). Expert row
+        bases (output a partial sum over expert-TP): m's gradient is summed over that group."""
+        g = self.geometry
+        m = self.magnitude
+        if g.dispatcher_reduces and g.mode != COLUMN:
+            m = C.grad_sum(m, g.tp_group)
+        return m / D.weight_norm(self).to(m.dtype)
+
+    def dora_forward(self, input_, output, added_bias=None, gather_output=False, base_fn=None):
+        """PEFT's DoRA output: output + (m/n - 1) * W d + (m/n) * scale * B A d (dora.py).
+
+        output: the base's output on input_ (in its parallel state), added_bias: the bias it
+        added (None: none), base_fn(d): the base's output on another input d (called only with
+        dropout > 0 in training, on the dropped input; default: the base layer itself)."""
+        g = self.geometry
+        drop = self._dropout_state(input_)
+        scale = self.dora_scale()
+        if gather_output:
+            scale = C.gather_weight(scale, g.tp_group, 0)
+            if added_bias is not None:  # the base added its bias shard before the gather
+                added_bias = C.gather_weight(added_bias, g.tp_group, 0)
+        lora = self._lora(input_, gather_output, drop=drop)
+        p, key, rows = drop
+        if p == 0.0:
+            base_result = output if added_bias is None else output - added_bias
+        else:
+            tokens_local = input_.numel() // input_.shape[-1]
+            tok0 = g.tp_rank * tokens_local if g.sequence_parallel and g.mode == COLUMN else 0
+            feat0 = g.tp_rank * g.in_local if g.mode != COLUMN and g.input_is_parallel else 0
+            dropped = D.dropped_input(input_, p, key, tok0, feat0, rows)
+            base_fn = base_fn or (lambda d: self.base_layer(d)[0])
+            base_result = base_fn(dropped)
+            if added_bias is not None:
+                base_result = base_result - added_bias
+        return D.combine(output, base_result, lora, scale)
+
+    def _dropout_state(self, input_):
+        """(p, key, rows): this forward's dropout probability, key and (experts) row indices."""
+        p = self.config.dropout if self.training else 0.0
+        key = rows = None
+        if p > 0.0 and self.dropout_rows is not None:
+            key, rows = self.dropout_rows(input_)  # expert: the layer's key, global row indices
+        elif p > 0.0:
+            key = draw_dropout_key(input_.device)
+        return p, key, rows
 
     def _gathers_output(self, args, kwargs) -> bool:
         # ColumnParallelLinear.forward(input_, weight=None, runtime_gather_output=None)
@@ -225,15 +299,10 @@ class LoraAdapter(torch.nn.Module):
         """scale * dropout(input_) A^T B^T in the parallel state of the base's output."""
         return self._lora(input_, gather_output)
 
-    def _lora(self, input_, gather_output=None, add_to=None):
+    def _lora(self, input_, gather_output=None, add_to=None, drop=None):
         g = self.geometry
         group = g.tp_group
-        p = self.config.dropout if self.training else 0.0
-        key = rows = None
-        if p > 0.0 and self.dropout_rows is not None:
-            key, rows = self.dropout_rows(input_)  # expert: the layer's key, global row indices
-        elif p > 0.0:
-            key = draw_dropout_key(input_.device)
+        p, key, rows = self._dropout_state(input_) if drop is None else drop
         tokens_local = input_.numel() // input_.shape[-1]
         if g.dispatcher_reduces:
             return self._expert_lora(input_, p, key, add_to, rows)
@@ -333,12 +402,17 @@ class LoraAdapter(torch.nn.Module):
             prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata
         )
         column = self.geometry.mode == COLUMN
+        factors = {"lora_A": self.lora_A, "lora_B": self.lora_B}
+        axis = {"lora_B": 0} if column else {"lora_A": 1}
+        if self.magnitude is not None:  # DoRA: m sharded like the base's output rows
+            factors[D.MAGNITUDE] = self.magnitude
+            if column:
+                axis[D.MAGNITUDE] = 0
         state.update(
             factor_sharded_tensors(
-                {"lora_A": self.lora_A, "lora_B": self.lora_B}, prefix,
-                {"lora_B": 0} if column else {"lora_A": 1}, sharded_offsets, metadata,
-                self.geometry.tp_group, strided={"lora_B"} if column and self.geometry.stride > 1
-                else (),
+                factors, prefix, axis, sharded_offsets, metadata,
+                self.geometry.tp_group, strided={n for n in axis if n != "lora_A"}
+                if column and self.geometry.stride > 1 else (),
             )
         )
         return state
@@ -347,4 +421,5 @@ class LoraAdapter(torch.nn.Module):
         return (
             f"{self.geometry.describe()}, rank={self.config.rank}, alpha={self.config.alpha}, "
             f"scaling={self.scaling:g}, dropout={self.config.dropout}, merged={self.merged}"
+            + (", dora" if self.magnitude is not None else "")
         )

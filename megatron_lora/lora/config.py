@@ -31,6 +31,8 @@ class AdapterConfig:
         "gaussian" (A normal with std 1/r, B zero), or False (A and B both kaiming-uniform, so the
         adapter is not a no-op; meant for tests and for checking that an update is applied).
     dtype: dtype of the factors A and B; None takes the base layer's weight dtype.
+    use_dora: DoRA (PEFT's `use_dora`): a trainable magnitude vector m [out] rescales each output
+        row of W + scale * B A to m / ||W + scale * B A||_row (see dora.py).
     """
 
     rank: int
@@ -39,6 +41,7 @@ class AdapterConfig:
     use_rslora: bool = False
     init_lora_weights: Union[bool, str] = True
     dtype: Optional[torch.dtype] = None
+    use_dora: bool = False
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -63,6 +66,8 @@ class AdapterConfig:
                 "AdapterConfig.init_lora_weights must be True, False, 'kaiming' or 'gaussian', "
                 f"got {self.init_lora_weights!r}"
             )
+        if not isinstance(self.use_dora, bool):
+            raise ValueError(f"AdapterConfig.use_dora must be a bool, got {self.use_dora!r}")
         if self.dtype is not None and self.dtype not in _FACTOR_DTYPES:
             raise ValueError(
                 f"AdapterConfig.dtype must be None or one of {_FACTOR_DTYPES}, got {self.dtype!r}"

@@ -10,6 +10,11 @@ merge(safe=True) checks, before touching the weight, that the update and the mer
 finite on every rank of the base's group (one 1-element all-reduce, so that all ranks take the
 same decision); on failure the base is left bit-identical and ValueError is raised everywhere.
 A second merge (or an unmerge of an unmerged adapter) is a no-op with a warning.
+
+DoRA (adapter.magnitude set): merge writes W' = (m / n)[:, None] * (W + scale * B A) with
+n = ||W + scale * B A||_row computed from the unmerged weight (row bases: the [out] all-reduce of
+dora.weight_norm over the base's group) and kept for unmerge, which writes W'/(m / n) - scale B A.
+The bias is left as it is (out = m / n * (W x + scale B A x) + bias, as in forward).
 """
 
 from __future__ import annotations
@@ -52,6 +57,15 @@ def merge(adapter, safe: bool = False) -> None:
             "the tied word embedding, handed in at forward); merging would change the embedding"
         )
     delta = delta_weight(adapter)
+    dora_scale = None
+    if adapter.magnitude is not None:
+        from megatron_lora.lora.dora import weight_norm
+
+        norm = weight_norm(adapter)
+        dora_scale = (adapter.magnitude.detach().float() / norm).unsqueeze(1)  # [out_local, 1]
+        # merged - W, so that the fp32 and low-precision paths below add one tensor.
+        delta = dora_scale * (weight.float() + delta) - weight.float()
+        adapter._dora_merge_norm = norm
     if safe:
         merged = weight.float() + delta
         ok = bool(torch.isfinite(delta).all()) and bool(torch.isfinite(merged).all())
@@ -75,7 +89,12 @@ def unmerge(adapter) -> None:
         warnings.warn("LoraAdapter.unmerge: adapter is not merged; nothing to do", stacklevel=3)
         return
     weight = adapter.base_layer.weight
-    if weight.dtype == torch.float32:
+    if adapter.magnitude is not None:
+        norm = adapter._dora_merge_norm
+        dora_scale = (adapter.magnitude.detach().float() / norm).unsqueeze(1)
+        weight.copy_((weight.float() / dora_scale - delta_weight(adapter)).to(weight.dtype))
+        adapter._dora_merge_norm = None
+    elif weight.dtype == torch.float32:
         weight.sub_(delta_weight(adapter))
     else:
         # Low-precision weight: subtract in fp32 and round once, as merge did.

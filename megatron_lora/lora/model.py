@@ -28,6 +28,9 @@ from megatron_lora.lora.identity import adapter_seed, global_layer_prefix
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
 
 
+_DORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """PEFT-style LoRA settings for a whole model (validated on construction).
@@ -41,6 +44,8 @@ class LoraConfig:
         lora_alpha for it, e.g. {"experts": 8}.
     seed: seeds every adapter's initial factors together with its global name.
     dtype: factor dtype (None: the base weight's).
+    use_dora: DoRA (PEFT's `use_dora`, train --lora-use-dora) on linear_qkv, linear_proj and
+        the experts' / MLP's linear_fc1, linear_fc2 (lora/dora.py); other targets are refused.
     """
 
     r: int = 8
@@ -54,9 +59,14 @@ class LoraConfig:
     alpha_pattern: Dict[str, float] = field(default_factory=dict)
     seed: int = 0
     dtype: Optional[torch.dtype] = None
+    use_dora: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "target_modules", normalize_targets(self.target_modules))
+        no_dora = [t for t in self.target_modules if t not in _DORA_TARGETS]
+        if self.use_dora is True and no_dora:
+            raise ValueError(f"LoraConfig.use_dora (--lora-use-dora) supports the targets "
+                             f"{list(_DORA_TARGETS)}, not {no_dora}")
         object.__setattr__(self, "rank_pattern", dict(self.rank_pattern))
         object.__setattr__(self, "alpha_pattern", dict(self.alpha_pattern))
         for pattern in list(self.rank_pattern) + list(self.alpha_pattern):
@@ -75,7 +85,8 @@ class LoraConfig:
         try:
             return AdapterConfig(rank=r, alpha=alpha, dropout=self.lora_dropout,
                                  use_rslora=self.use_rslora,
-                                 init_lora_weights=self.init_lora_weights, dtype=self.dtype)
+                                 init_lora_weights=self.init_lora_weights, dtype=self.dtype,
+                                 use_dora=self.use_dora)
         except ValueError as e:
             msg = str(e).replace("AdapterConfig.rank", "LoraConfig.r").replace(
                 "AdapterConfig.alpha", "LoraConfig.lora_alpha").replace(
@@ -98,6 +109,7 @@ class LoraConfig:
             "init_lora_weights": self.init_lora_weights, "rank_pattern": dict(self.rank_pattern),
             "alpha_pattern": dict(self.alpha_pattern), "seed": self.seed,
             "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
+            **({"use_dora": True} if self.use_dora else {}),
         }
 
 

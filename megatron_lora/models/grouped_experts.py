@@ -201,6 +201,8 @@ class GroupedExperts(SequentialMLP):
                     if isinstance(lin, LoraAdapter) and not (lin.merged or lin._disabled)]
         if not adapters:
             return out
+        if any(ad.magnitude is not None for ad in adapters):
+            return self._dora_linear(linears, adapters, weights, x, out, counts)
         if len(adapters) == len(linears) and _uniform(adapters):
             return out + self._grouped_lora(adapters, x, counts, stream)
         # Mixed adapters (rank patterns, some merged): each adds its own term on its rows.
@@ -208,6 +210,20 @@ class GroupedExperts(SequentialMLP):
         for e, (lin, n) in enumerate(zip(linears, counts)):
             if lin in adapters and n:
                 pieces[e] = pieces[e] + lin.lora_delta(x[start:start + n])
+            start += n
+        return torch.cat(pieces) if pieces else out
+
+    @staticmethod
+    def _dora_linear(linears, adapters, weights, x, out, counts):
+        """DoRA adapters (lora/dora.py): each expert's rows get its adapter's DoRA output, the
+        base term W_e d recomputed on its dropped rows only with dropout in training."""
+        pieces, start = list(torch.split(out, counts)), 0
+        for e, (lin, n) in enumerate(zip(linears, counts)):
+            if lin in adapters and n:
+                w = weights[e]
+                pieces[e] = lin.dora_forward(
+                    x[start:start + n], pieces[e],
+                    base_fn=lambda d, w=w: torch.nn.functional.linear(d, w.to(d.dtype)))
             start += n
         return torch.cat(pieces) if pieces else out
 

@@ -146,6 +146,9 @@ def add_arguments(p) -> None:
                     "w1, w2, w3, gate, embed_tokens, lm_head) or all-linear")
     lo.add_argument("--lora-use-rslora", action="store_true",
                     help="rank-stabilized LoRA: scale by alpha/sqrt(r)")
+    lo.add_argument("--lora-use-dora", action="store_true",
+                    help="DoRA (PEFT's use_dora): a trained magnitude per output row of each "
+                    "adapted linear (linear_qkv, linear_proj, linear_fc1, linear_fc2 only)")
     lo.add_argument("--lora-rank-pattern", nargs="+", default=[], type=_rank_pattern,
                     metavar="REGEX=R", help="rank R instead of --lora-rank for the adapters whose "
                     "global name REGEX matches (re.search), e.g. router=4 for a router with few "

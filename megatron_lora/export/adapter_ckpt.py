@@ -27,7 +27,7 @@ from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 from megatron_lora.convert.dcp_write import write_torch_dist
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import Chunk, McoreTensor
-from megatron_lora.export.table import KINDS, Kind, factor_shapes, sites
+from megatron_lora.export.table import KINDS, Kind, factor_shapes, magnitude_shape, sites
 from megatron_lora.jsonfile import reason
 from megatron_lora.lora.model import LoraConfig
 from megatron_lora.models.mixtral import MixtralInfo
@@ -93,6 +93,8 @@ class AdapterCheckpoint:
     def _check_tensors(self) -> Dict[str, int]:
         keys = {k for k in self.ckpt.tensors if not k.startswith("optimizer.")}
         known = {k.a_key: k for k in KINDS} | {k.b_key: k for k in KINDS}
+        if self.config.use_dora:  # DoRA magnitudes, one per factor pair
+            known |= {k.m_key: k for k in KINDS}
         unknown = sorted(keys - set(known))
         if unknown:
             raise ConversionError(f"{self.directory}: tensors that are not Mixtral LoRA factors "
@@ -114,6 +116,15 @@ class AdapterCheckpoint:
                     raise ConversionError(
                         f"{self.directory}: tensor {key} has shape {list(got)}, but the model "
                         f"({self.info.config_fields()}) at rank {rank} implies {list(exp)}")
+            if self.config.use_dora:
+                want_m = magnitude_shape(self.info, kind)
+                if kind.m_key not in keys:
+                    raise ConversionError(f"{self.directory}: the LoRA config has use_dora "
+                                          f"(--lora-use-dora) but tensor {kind.m_key} is missing")
+                if tuple(self.ckpt.shape(kind.m_key)) != want_m:
+                    raise ConversionError(
+                        f"{self.directory}: tensor {kind.m_key} has shape "
+                        f"{list(self.ckpt.shape(kind.m_key))}, the model implies {list(want_m)}")
             ranks[kind.name] = rank
         if not ranks:
             raise ConversionError(f"{self.directory}: no LoRA factors in the checkpoint")
@@ -130,6 +141,13 @@ class AdapterCheckpoint:
             sizes = (1,) * kind.lead + tuple(shape[kind.lead:])
             out.append(self.ckpt.read(key, offsets, sizes).reshape(shape[kind.lead:]))
         return out[0], out[1]
+
+    def magnitude(self, site) -> torch.Tensor:
+        """DoRA's magnitude m [out] of one adapter (the base weight's rows), checkpoint dtype."""
+        kind = site.kind
+        shape = self.ckpt.shape(kind.m_key)
+        sizes = (1,) * kind.lead + tuple(shape[kind.lead:])
+        return self.ckpt.read(kind.m_key, tuple(site.index) + (0,), sizes).reshape(-1)
 
     def scaling(self, site) -> Tuple[int, float, float]:
         """(rank, alpha, scale) of an adapter from the checkpoint's LoraConfig; ConversionError if
@@ -151,7 +169,8 @@ def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int]
     """Write an adapter checkpoint at `save` (atomically).
 
     ranks: {kind name: rank} of the kinds to write. factors(site) -> (A, B) with the shapes of one
-    site's box (embedding: A [r, Vp], B [h, r]), called once per factor per site.
+    site's box (embedding: A [r, Vp], B [h, r]), called once per factor per site; with
+    config.use_dora it returns (A, B, m), m [out] the DoRA magnitude.
     """
     check_output_free(save, overwrite)
     tensors = []
@@ -161,7 +180,10 @@ def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int]
         if kind.name not in ranks:
             continue
         a_shape, b_shape = factor_shapes(info, kind, ranks[kind.name])
-        for which, key, shape in ((0, kind.a_key, a_shape), (1, kind.b_key, b_shape)):
+        todo = [(0, kind.a_key, a_shape), (1, kind.b_key, b_shape)]
+        if config.use_dora:
+            todo.append((2, kind.m_key, magnitude_shape(info, kind)))
+        for which, key, shape in todo:
             chunks = []
             for s in sites(info, kind):
                 offsets = tuple(s.index) + (0,) * (len(shape) - kind.lead)

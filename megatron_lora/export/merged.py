@@ -8,7 +8,8 @@ appended to the current shard. A box of a weight that carries an adapter gets, b
 W + scale * B[rows] A (the rows of B that box covers; the embedding: rows of (scale * B A)^T),
 computed in fp32 and cast back to the base dtype. One box and one adapter's factors are in memory
 at a time. Tied embeddings with an embedding or output-layer adapter are refused (merging one
-would change the other).
+would change the other). DoRA adapters (use_dora): each row of W + scale * B A is then scaled by
+m / ||that row|| (lora/dora.py; a box holds whole rows, so the norms are the box's own).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class _Merger:
         if self._cached[0] is not site:
             a, b = self.adapter.factors(site)
             _, _, scale = self.adapter.scaling(site)
-            self._cached = (site, (a.float(), b.float(), scale))
+            m = self.adapter.magnitude(site).float() if self.adapter.config.use_dora else None
+            self._cached = (site, (a.float(), b.float(), scale, m))
         return self._cached[1]
 
     def apply(self, key: str, chunk, box: torch.Tensor) -> torch.Tensor:
@@ -46,13 +48,16 @@ class _Merger:
         if kind is None:
             return box
         site = self.sites[(kind.name, tuple(chunk.offsets[:kind.lead]))]
-        a, b, scale = self._factors(site)
+        a, b, scale, m = self._factors(site)
         row0, rows = chunk.offsets[kind.lead], chunk.source.shape[0]
         if kind.name == "embedding":  # rows of (B A)^T: [rows, h]
             delta = (b @ a[:, row0:row0 + rows]).t()
         else:
             delta = b[row0:row0 + rows] @ a
-        return (box.float() + delta.mul_(scale).reshape(box.shape)).to(box.dtype)
+        merged = box.float().reshape(delta.shape) + delta.mul_(scale)
+        if m is not None:  # DoRA: rows scaled by m / ||W + scale B A||_row
+            merged = merged * (m[row0:row0 + rows] / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+        return merged.reshape(box.shape).to(box.dtype)
 
 
 def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = None,

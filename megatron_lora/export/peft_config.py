@@ -184,7 +184,8 @@ def inference_dropout(lora_dropout: float, target_modules: List[str]) -> Tuple[f
 
 def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_modules: List[str],
                         rank_pattern: Dict[str, int], alpha_pattern: Dict[str, float],
-                        lora_dropout: float = 0.0, base_model: Optional[str] = None) -> dict:
+                        lora_dropout: float = 0.0, base_model: Optional[str] = None,
+                        use_dora: bool = False) -> dict:
     """A complete PEFT LoRA adapter_config.json for a per-expert Mixtral adapter."""
     return {
         "peft_type": "LORA",
@@ -201,7 +202,7 @@ def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_m
         "lora_dropout": lora_dropout,
         "bias": "none",
         "lora_bias": False,
-        "use_dora": False,
+        "use_dora": bool(use_dora),
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "inference_mode": True,

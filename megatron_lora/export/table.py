@@ -59,6 +59,11 @@ class Kind:
     def b_key(self) -> str:
         return self.prefix + "lora_B"
 
+    @property
+    def m_key(self) -> str:
+        """DoRA's magnitude vector (global [*lead, out], the base weight's rows)."""
+        return self.prefix + "lora_magnitude_vector"
+
 
 KINDS: Tuple[Kind, ...] = (
     Kind("embedding", "embedding.word_embeddings.weight", "embedding.word_embeddings.", 0,
@@ -202,6 +207,18 @@ def fuse_rows(part: Part, by_module: Dict[str, torch.Tensor], r: int, dtype) -> 
     src = _with_columns(part.source, r)
     reader = _DictReader({m + ".weight": t for m, t in by_module.items()})
     return src.read(reader, (slice(0, part.rows), slice(0, r))).reshape(part.rows, r)
+
+
+def magnitude_shape(info: MixtralInfo, kind: Kind) -> Tuple[int, ...]:
+    """Global checkpoint shape of `kind`'s DoRA magnitude: the base weight's leading axes and
+    rows."""
+    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    return tuple(base.shape[: kind.lead + 1])
+
+
+def peft_magnitude_key(module: str) -> str:
+    """PEFT's safetensors key of an HF module's DoRA magnitude vector ([out])."""
+    return PEFT_PREFIX + module + ".lora_magnitude_vector"
 
 
 def peft_keys(module: str, embedding: bool) -> Tuple[str, str]:

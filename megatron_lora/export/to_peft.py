@@ -13,6 +13,9 @@ are targeted, else the most common ones), `use_rslora`, `target_modules` and `ra
 by full path when instances of one module differ). `lora_dropout` is the trained value, or 0 when
 the experts or the router are targeted (PEFT's ParamWrapper, which adapts transformers 5's fused
 parameters, refuses dropout; dropout does not act at inference): `notes` says so.
+DoRA adapters (use_dora) on attention get PEFT's `lora_magnitude_vector` per module (the
+magnitude's rows split like B's) and `use_dora: true`; PEFT has no DoRA for Mixtral's experts,
+so an expert DoRA adapter is refused with a pointer to the merged export (`export hf --merge`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ from megatron_lora.export.peft_config import (
     adapter_config_dict,
     inference_dropout,
 )
-from megatron_lora.export.table import module_of, peft_keys, short_name, sites, split_rows
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.export.table import (
+    module_of,
+    peft_keys,
+    peft_magnitude_key,
+    short_name,
+    sites,
+    split_rows,
+)
 from megatron_lora.models.mixtral import read_hf_config
 
 # Short module names as PEFT lists them, in model order.
@@ -81,6 +92,15 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                        inputs={"--adapter": adapter, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
     ckpt = AdapterCheckpoint(adapter, info)
+    dora = ckpt.config.use_dora
+    experts = [k.name for k in ckpt.kinds() if k.name in ("linear_fc1", "linear_fc2")]
+    if dora and experts:
+        raise ConversionError(
+            f"{adapter}: a DoRA adapter (trained with --lora-use-dora) on the experts "
+            f"({', '.join(experts)}) has no PEFT format: PEFT supports DoRA on linear modules, not "
+            f"on Mixtral's experts. Export the merged model instead: megatron-lora export hf "
+            f"--merge --load BASE --adapter {adapter} --save OUT (or train DoRA on linear_qkv / "
+            f"linear_proj only to get a PEFT adapter)")
     entries: List[Tuple[str, Tuple[int, ...], object]] = []
     values: Dict[str, Tuple[int, float]] = {}
     plan = []
@@ -96,6 +116,8 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                     a_key, b_key = peft_keys(module, embedding)
                     a_shape, b_shape = ((r, rows), (cols, r)) if embedding else ((r, cols), (rows, r))
                     entries += [(a_key, a_shape, ckpt.dtype), (b_key, b_shape, ckpt.dtype)]
+                    if dora:
+                        entries.append((peft_magnitude_key(module), (rows,), ckpt.dtype))
     default = _default(values)
     rank_p, alpha_p = _patterns(values, default)
     shorts = sorted({short_name(m) for m in values}, key=_ORDER.index)
@@ -105,11 +127,12 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     config = adapter_config_dict(
         r=default[0], lora_alpha=default[1], use_rslora=ckpt.config.use_rslora,
         target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
-        lora_dropout=dropout, base_model=base_model)
+        lora_dropout=dropout, base_model=base_model, use_dora=dora)
     with atomic_directory(save, overwrite) as tmp:
         with StreamingSafetensorsWriter(os.path.join(tmp, WEIGHTS_NAME), entries) as w:
             for site in plan:
                 a, b = ckpt.factors(site)
+                m = ckpt.magnitude(site) if dora else None
                 if site.kind.name == "embedding":
                     vocab = info.vocab_size
                     module = site.modules()[0]
@@ -119,10 +142,15 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                     continue
                 for part in site.parts:
                     rows = b[part.row0:part.row0 + part.rows]
+                    m_parts = ({} if m is None else split_rows(
+                        part, m[part.row0:part.row0 + part.rows].unsqueeze(1)))
                     for module, b_part in split_rows(part, rows).items():
                         a_key, b_key = peft_keys(module, False)
                         w.write(a_key, a)
                         w.write(b_key, b_part.contiguous())
+                        if m is not None:
+                            w.write(peft_magnitude_key(module), m_parts[module].reshape(-1)
+                                    .contiguous())
                 del a, b
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)

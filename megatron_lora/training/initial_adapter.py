@@ -37,6 +37,7 @@ ADAPTER_SETTINGS = (
     ("lora_alpha", "--lora-alpha", "lora_alpha"),
     ("lora_target_modules", "--lora-target-modules", "target_modules"),
     ("lora_use_rslora", "--lora-use-rslora", "use_rslora"),
+    ("lora_use_dora", "--lora-use-dora", "use_dora"),
     ("lora_rank_pattern", "--lora-rank-pattern", "rank_pattern"),
     ("lora_alpha_pattern", "--lora-alpha-pattern", "alpha_pattern"),
 )
@@ -110,6 +111,7 @@ def set_lora_flags(args, lora) -> None:
     args.lora_alpha = float(lora.lora_alpha)
     args.lora_target_modules = list(lora.target_modules)
     args.lora_use_rslora = bool(lora.use_rslora)
+    args.lora_use_dora = bool(lora.use_dora)
     args.lora_rank_pattern = list(lora.rank_pattern.items())
     args.lora_alpha_pattern = list(lora.alpha_pattern.items())
 

@@ -77,6 +77,7 @@ def _setup_checks(args, layout, world_size):
                                   lora_dropout=args.lora_dropout,
                                   target_modules=args.lora_target_modules,
                                   use_rslora=args.lora_use_rslora, seed=args.seed,
+                                  use_dora=bool(getattr(args, "lora_use_dora", False)),
                                   rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []),
                                   alpha_pattern=dict(getattr(args, "lora_alpha_pattern", None)
                                                      or []))

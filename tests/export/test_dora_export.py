@@ -1,0 +1,125 @@
+"""DoRA adapters trained 3 steps at TP2+SP (dropout 0.1), exported, judged by transformers + PEFT:
+an attention DoRA adapter exports to PEFT (`use_dora: true`, `lora_magnitude_vector` per module)
+whose logits, and PEFT's merge_and_unload, and our merged HF export, equal the trained model's
+(fp32, max abs diff <= 1e-4); the trained magnitudes matter (resetting them to the row norms moves
+PEFT's logits); an expert DoRA adapter is refused by `export peft` naming --lora-use-dora and
+`export hf --merge`, and its merged HF export equals the trained model's logits."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.convert.errors import ConversionError
+from megatron_lora.export.merged import export_merged_hf
+from megatron_lora.export.to_peft import export_peft
+from megatron_lora.runtime import ParallelLayout
+from tests.export import _support as S
+from tests.harness import multirank
+
+TOL = 1e-4
+RUNS = {"attention": ["linear_qkv", "linear_proj"],
+        "experts": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
+
+
+def _dora_config(targets):
+    from megatron_lora.lora.model import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1, seed=3,
+                      use_dora=True)
+
+
+@multirank(world_size=2, timeout=600)
+def _train_dora(hf, root, tokens, layout=ParallelLayout(tp=2, sp=True)):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.lora.model import apply_lora
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.testing.parity import assert_held_by
+    from megatron_lora.training.loop import RunConfig, train
+    from megatron_lora.training.optimizer import OptimConfig
+
+    info, ckpt, _ = open_hf(hf)
+    toks = torch.tensor(json.load(open(tokens)))
+    for name, targets in RUNS.items():
+        lora = _dora_config(targets)
+        model = build_mixtral_model(info, mixtral_config(info, layout))
+        load_hf(model, info, ckpt)
+        apply_lora(model, lora, verbose=False)
+        run = RunConfig(micro_batch_size=1, global_batch_size=2, seq_length=16, train_iters=3,
+                        save=os.path.join(root, name), log_interval=100)
+        train([model], S.dataset(), run, OptimConfig(lr=2e-2, train_iters=3, clip_grad=1.0),
+              layout_name=layout.describe(), run_metadata={"lora": lora.to_dict()})
+        logits = forward_logits(model, toks, info.vocab_size)
+        if assert_held_by(logits, 1, "the trained model's logits"):
+            save_file({"logits": logits.contiguous()},
+                      os.path.join(root, f"{name}_logits.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def dora_runs(tiny, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dora_runs"))
+    _train_dora(hf=tiny["hf"], root=root, tokens=tiny["tokens"])
+    return dict(tiny, root=root)
+
+
+def _ours(paths, name):
+    return load_file(os.path.join(paths["root"], f"{name}_logits.safetensors"))["logits"]
+
+
+def _max_diff(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def test_attention_dora_export_matches_transformers_peft(dora_runs, tmp_path):
+    ours = _ours(dora_runs, "attention")
+    tokens = torch.tensor(json.load(open(dora_runs["tokens"])))
+    out = str(tmp_path / "peft")
+    config = export_peft(os.path.join(dora_runs["root"], "attention"), out,
+                         hf_config=dora_runs["hf"])
+    assert config["use_dora"] is True
+    tensors = load_file(os.path.join(out, "adapter_model.safetensors"))
+    mags = {k: v for k, v in tensors.items() if k.endswith(".lora_magnitude_vector")}
+    modules = {k[:-len(".lora_A.weight")] for k in tensors if k.endswith(".lora_A.weight")}
+    assert {k[:-len(".lora_magnitude_vector")] for k in mags} == modules and len(modules) > 0
+    for k, v in mags.items():  # one magnitude per output row of its module
+        assert v.shape == (tensors[k.replace("lora_magnitude_vector", "lora_B.weight")].shape[0],)
+    assert _max_diff(S.hf_logits(dora_runs["hf"], tokens), ours) > 100 * TOL
+    assert _max_diff(S.peft_logits(dora_runs["hf"], out, tokens), ours) <= TOL
+    assert _max_diff(S.peft_logits(dora_runs["hf"], out, tokens, merged=True), ours) <= TOL
+    merged = str(tmp_path / "merged")
+    export_merged_hf(dora_runs["mcore"], os.path.join(dora_runs["root"], "attention"), merged,
+                     progress=False)
+    assert _max_diff(S.hf_logits(merged, tokens), ours) <= TOL
+
+    # The trained magnitudes are used: m = ||W + s B A||_row instead changes the logits.
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(S.hf_model(dora_runs["hf"]), out).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            mag = getattr(mod, "lora_magnitude_vector", None)
+            if mag is not None and "default" in mag:
+                w = mod.get_base_layer().weight
+                delta = mod.lora_B["default"].weight @ mod.lora_A["default"].weight
+                mag["default"].weight.copy_(
+                    torch.linalg.norm(w + mod.scaling["default"] * delta, dim=1))
+        reset = model(tokens).logits.float()
+    assert _max_diff(reset, ours) > 10 * TOL
+
+
+def test_expert_dora_export_refused_and_merged_export_exact(dora_runs, tmp_path):
+    run = os.path.join(dora_runs["root"], "experts")
+    with pytest.raises(ConversionError, match=r"--lora-use-dora.*export hf\s+--merge"):
+        export_peft(run, str(tmp_path / "peft"), hf_config=dora_runs["hf"])
+    assert not os.path.exists(tmp_path / "peft" / "adapter_model.safetensors")
+    merged = str(tmp_path / "merged")
+    export_merged_hf(dora_runs["mcore"], run, merged, progress=False)
+    tokens = torch.tensor(json.load(open(dora_runs["tokens"])))
+    ours = _ours(dora_runs, "experts")
+    assert _max_diff(S.hf_logits(dora_runs["hf"], tokens), ours) > 100 * TOL
+    assert _max_diff(S.hf_logits(merged, tokens), ours) <= TOL

@@ -263,19 +263,24 @@ class LoraAdapter(torch.nn.Module):
             scale = C.gather_weight(scale, g.tp_group, 0)
             if added_bias is not None:  # the base added its bias shard before the gather
                 added_bias = C.gather_weight(added_bias, g.tp_group, 0)
-        lora = self._lora(input_, gather_output, drop=drop)
         p, key, rows = drop
         if p == 0.0:
+            # W d = W x: out = (m/n) * (W x + scale B A x) + bias, the LoRA term accumulated
+            # into W x by one addmm (the same value as PEFT's three-term sum, to rounding).
             base_result = output if added_bias is None else output - added_bias
-        else:
-            tokens_local = input_.numel() // input_.shape[-1]
-            tok0 = g.tp_rank * tokens_local if g.sequence_parallel and g.mode == COLUMN else 0
-            feat0 = g.tp_rank * g.in_local if g.mode != COLUMN and g.input_is_parallel else 0
-            dropped = D.dropped_input(input_, p, key, tok0, feat0, rows)
-            base_fn = base_fn or (lambda d: self.base_layer(d)[0])
-            base_result = base_fn(dropped)
-            if added_bias is not None:
-                base_result = base_result - added_bias
+            out = self._lora(input_, gather_output, add_to=base_result, drop=drop)
+            out = out * scale.to(out.dtype)
+            return out if added_bias is None else out + added_bias
+        # Dropout: PEFT's output + (m/n - 1) * W d + (m/n) * scale * B A d, W d from the base.
+        lora = self._lora(input_, gather_output, drop=drop)
+        tokens_local = input_.numel() // input_.shape[-1]
+        tok0 = g.tp_rank * tokens_local if g.sequence_parallel and g.mode == COLUMN else 0
+        feat0 = g.tp_rank * g.in_local if g.mode != COLUMN and g.input_is_parallel else 0
+        dropped = D.dropped_input(input_, p, key, tok0, feat0, rows)
+        base_fn = base_fn or (lambda d: self.base_layer(d)[0])
+        base_result = base_fn(dropped)
+        if added_bias is not None:
+            base_result = base_result - added_bias
         return D.combine(output, base_result, lora, scale)
 
     def _dropout_state(self, input_):

@@ -1,0 +1,109 @@
+"""Step time of adapter variants against plain LoRA on the small Mixtral, CPU, one process.
+
+    .venv/bin/python benchmarks/adapters.py [--hidden 512] [--steps 4] [--reps 3]
+
+Builds the small Mixtral of benchmarks/train.py (HF safetensors, loaded into megatron-core at
+world size 1, fp32), applies LoRA (r=16, alpha=32, q/k/v/o and every expert's fc1/fc2) and the
+same adapter with DoRA (`use_dora`, train --lora-use-dora), and times one training step
+(forward + backward + AdamW) of each on the same token batches. The two models alternate `--reps`
+times and each keeps its best step, which keeps the ratio meaningful on a shared machine. Ends
+with one JSON line: `dora_over_lora` (target <= 1.3) and the seconds behind it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def _build(hf_dir: str, use_dora: bool, targets):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.runtime import ParallelLayout
+    from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
+
+    info, hf, _ = open_hf(hf_dir)
+    model = build_mixtral_model(info, mixtral_config(info, ParallelLayout()))
+    load_hf(model, info, hf)
+    apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_dora=use_dora),
+               verbose=False)
+    wrapped, optimizer, _ = wrap_for_training([model], OptimConfig(lr=1e-4, train_iters=100,
+                                                                    lr_decay_style="constant"))
+    return info, wrapped, optimizer
+
+
+def _step_time(wrapped, optimizer, data, batch: int) -> float:
+    from megatron_lora.training.step import forward_backward
+
+    best = float("inf")
+    for rows in data:
+        start = time.perf_counter()
+        wrapped[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(wrapped, rows[:, :-1], rows[:, 1:], micro_batch_size=batch)
+        optimizer.step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--targets", nargs="+",
+                   default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    args = p.parse_args(argv)
+
+    import torch
+
+    from benchmarks.train import batches, make_model
+    from megatron_lora import runtime
+    from megatron_lora.cli.common import torchrun_env_defaults
+    from megatron_lora.runtime import ParallelLayout
+
+    torch.set_num_threads(args.threads)
+    began = time.perf_counter()
+    torchrun_env_defaults(29547)
+    runtime.initialize(ParallelLayout(), seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(tmp, args.hidden, args.layers, args.experts, args.vocab)
+        info, lora_model, lora_opt = _build(tmp, False, args.targets)
+        _, dora_model, dora_opt = _build(tmp, True, args.targets)
+    data = batches(info.vocab_size, args.batch, args.seq, args.steps)
+    _step_time(lora_model, lora_opt, data[:1], args.batch)  # warm-up
+    _step_time(dora_model, dora_opt, data[:1], args.batch)
+    lora_s = dora_s = float("inf")
+    for _ in range(args.reps):
+        lora_s = min(lora_s, _step_time(lora_model, lora_opt, data, args.batch))
+        dora_s = min(dora_s, _step_time(dora_model, dora_opt, data, args.batch))
+    result = {
+        "dora_over_lora": round(dora_s / lora_s, 4),
+        "lora_step_s": round(lora_s, 4),
+        "dora_step_s": round(dora_s, 4),
+        "shape": {"hidden": args.hidden, "layers": args.layers, "experts": args.experts,
+                  "tokens": args.batch * args.seq, "rank": 16, "dtype": "float32",
+                  "threads": args.threads, "targets": args.targets},
+        "seconds": round(time.perf_counter() - began, 1),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

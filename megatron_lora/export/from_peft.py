@@ -24,6 +24,12 @@ sites with a smaller rank are padded with zero rows of A / columns of B (exact; 
 and layers the adapter does not touch get zero factors. The LoraConfig written to the checkpoint
 has `rank_pattern` / `alpha_pattern` entries that give every site its rank and exact scale (checked
 before writing).
+
+DoRA (`use_dora: true`, attention only): each site's magnitude is its modules' magnitude rows in
+megatron's order (q/k/v per query group), copied bit for bit; stacking, padding and rescaling
+leave B A, and so the row norms, unchanged. Every row needs its magnitude (an untargeted row's
+would be the base weight's norm, which the import does not read), so a DoRA adapter must cover
+q_proj, k_proj and v_proj of every layer together, and o_proj of every layer if any.
 """
 
 from __future__ import annotations
@@ -168,7 +174,7 @@ def _min_dim(info, kind) -> int:
 
 
 def _lora_config(info, ranks: Dict[str, int], site_scales: Dict[str, Tuple[str, float]],
-                 use_rslora: bool, dropout: float) -> LoraConfig:
+                 use_rslora: bool, dropout: float, use_dora: bool = False) -> LoraConfig:
     """A LoraConfig giving every site (global name -> (kind, scale)) its kind's rank and its
     scale exactly."""
     default_r = Counter(ranks.values()).most_common(1)[0][0]
@@ -188,13 +194,25 @@ def _lora_config(info, ranks: Dict[str, int], site_scales: Dict[str, Tuple[str, 
             alpha_pattern[KIND_PATTERN[kind]] = next(iter(vals))
     config = LoraConfig(r=default_r, lora_alpha=default_alpha, lora_dropout=dropout,
                         target_modules=list(ranks), use_rslora=use_rslora,
-                        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+                        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, use_dora=use_dora)
     for name, (kind, s) in site_scales.items():
         got = config.adapter_config(name)
         if got.rank != ranks[kind] or not math.isclose(got.scaling, s, rel_tol=1e-15):
             raise AssertionError(f"LoraConfig gives {name} rank {got.rank} scale {got.scaling}, "
                                  f"wanted {ranks[kind]}, {s}")
     return config
+
+
+def _check_dora_cover(pf: PeftAdapterFile, plans) -> None:
+    """Every row of every DoRA kind has a magnitude in the file (see the module docstring)."""
+    for kind, entries in plans.items():
+        for site, _ in entries:
+            missing = [m for m in site.modules() if m not in pf.magnitudes]
+            if missing:
+                raise ConversionError(
+                    f"{pf.path}: DoRA adapter (use_dora=true) without {missing[:3]}: importing "
+                    f"DoRA needs every layer's {' / '.join(site.kind.hf_short)} adapted together "
+                    f"(an untargeted row's magnitude would be its base weight's norm)")
 
 
 def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool = False) -> dict:
@@ -233,13 +251,21 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
         present = [p.scale for _, p in entries if p is not None]
         for s, p in entries:
             site_scales[s.name] = (kind, p.scale if p is not None else present[0])
-    config = _lora_config(info, ranks, site_scales, cfg.use_rslora, 0.0)
+    if cfg.use_dora:
+        _check_dora_cover(pf, plans)
+    config = _lora_config(info, ranks, site_scales, cfg.use_rslora, 0.0, cfg.use_dora)
     by_name = {s.name: p for entries in plans.values() for s, p in entries}
 
     def factors(site: Site):
         a_shape, b_shape = factor_shapes(info, site.kind, ranks[site.kind.name])
-        return _site_factors(by_name[site.name], site, ranks[site.kind.name], a_shape[-1],
+        a, b = _site_factors(by_name[site.name], site, ranks[site.kind.name], a_shape[-1],
                              b_shape[-2], pf.dtype)
+        if not cfg.use_dora:
+            return a, b
+        m = torch.cat([fuse_rows(part, {mod: pf.read(pf.magnitudes[mod]).unsqueeze(1)
+                                        for mod in _module_rows(part)}, 1, pf.dtype)
+                       for part in site.parts]).reshape(-1)
+        return a, b, m
 
     write_adapter_checkpoint(save, info, ranks, factors, config, pf.dtype,
                              run_metadata={"imported_from": adapter_dir}, overwrite=overwrite)

@@ -36,6 +36,7 @@ class PeftLora:
     rank_pattern: Dict[str, int] = field(default_factory=dict)
     alpha_pattern: Dict[str, float] = field(default_factory=dict)
     path: str = CONFIG_NAME
+    use_dora: bool = False
 
     def rank_alpha(self, *names: str) -> Tuple[int, float]:
         """(r, alpha) PEFT gives the first of `names` a pattern matches (else the defaults).
@@ -100,7 +101,6 @@ def read_adapter_config(directory: str) -> PeftLora:
     if peft_type != "LORA":
         raise ConversionError(f"{path}: peft_type={short(peft_type)}; only 'LORA' adapters convert")
     unsupported = [
-        ("use_dora", lambda v: bool(v), "DoRA (use_dora=true) is not supported"),
         ("lora_bias", lambda v: bool(v), "LoRA biases (lora_bias=true) are not supported"),
         ("bias", lambda v: v not in (None, "none"), "trained biases (bias != 'none') are not supported"),
         ("fan_in_fan_out", lambda v: bool(v), "fan_in_fan_out=true is not supported"),
@@ -151,7 +151,11 @@ def read_adapter_config(directory: str) -> PeftLora:
     if not isinstance(use_rslora, bool):
         raise ConversionError(f"{path}: field use_rslora must be true or false, got "
                               f"{json_value(use_rslora)}")
-    return PeftLora(r=r, lora_alpha=float(alpha), use_rslora=use_rslora,
+    use_dora = cfg.get("use_dora", False)
+    if not isinstance(use_dora, bool):
+        raise ConversionError(f"{path}: field use_dora must be true or false, got "
+                              f"{json_value(use_dora)}")
+    return PeftLora(r=r, lora_alpha=float(alpha), use_rslora=use_rslora, use_dora=use_dora,
                     target_modules=tuple(modules), target_parameters=tuple(params),
                     rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"],
                     path=path)

@@ -12,6 +12,9 @@ Accepted keys (`base_model.model.` + module + `.lora_A.weight` / `.lora_B.weight
 | lm_head                                                 | A [r, h], B [V, r]    |
 | transformers 5 fused: model.layers.L.mlp.experts[.base_layer] (gate_up_proj / down_proj, told apart by shape) | A [E r, in] (expert-major rows), B [out, E r] (column j = rank j // E of expert j % E) |
 
+DoRA (`use_dora: true`): `...{q,k,v,o}_proj.lora_magnitude_vector` [out] for every adapted module
+(`magnitudes`); DoRA on other modules is refused.
+
 `*.base_layer.weight` copies of embed_tokens / lm_head (PEFT saves them when it targets embedding
 layers) are skipped if they have the base model's shape. Anything else, a wrong shape or a layer
 or expert outside the model is a ConversionError naming the file and the key.
@@ -40,6 +43,7 @@ _GATE = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts(?:\.base_layer)*$")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _SKIPPABLE = ("model.embed_tokens.base_layer.weight", "lm_head.base_layer.weight")
+_MAGNITUDE = ".lora_magnitude_vector"
 
 
 @dataclass
@@ -87,6 +91,7 @@ class PeftAdapterFile:
             raise ConversionError(f"{self.path}: unsupported dtype {sorted(set(dtypes.values()))}")
         self.modules: Dict[str, Factor] = {}
         self.fused: Dict[Tuple[int, str], Factor] = {}
+        self.magnitudes: Dict[str, str] = {}  # DoRA: HF module -> its lora_magnitude_vector key
         self._hf = hf_shapes(info)
         raw: Dict[str, Dict[str, str]] = {}
         for key in sorted(self.shapes):
@@ -96,10 +101,13 @@ class PeftAdapterFile:
             if name in _SKIPPABLE:
                 self._check_base_copy(key, name)
                 continue
+            if name.endswith(_MAGNITUDE):
+                self._add_magnitude(key, name[:-len(_MAGNITUDE)])
+                continue
             m = _FACTOR.match(name)
             if not m:
-                raise ConversionError(f"{self.path}: key {key!r} is not a LoRA factor (DoRA "
-                                      f"magnitudes, biases and other PEFT methods do not convert)")
+                raise ConversionError(f"{self.path}: key {key!r} is not a LoRA factor (biases "
+                                      f"and other PEFT methods do not convert)")
             which = (m.group("lin") or m.group("emb"))[-1]
             raw.setdefault(m.group("module"), {})[which] = key
         for module, keys in raw.items():
@@ -112,6 +120,31 @@ class PeftAdapterFile:
             raise ConversionError(f"{self.path}: no LoRA factors found")
         if self.fused and any(".experts." in m for m in self.modules):
             raise ConversionError(f"{self.path}: mixes per-expert and fused expert LoRA keys")
+        if config.use_dora:
+            plain = sorted(set(self.modules) - set(self.magnitudes)) + [
+                f"fused experts of layer {layer}" for layer, _ in sorted(self.fused)]
+            if plain:
+                raise ConversionError(
+                    f"{self.path}: {config.path} has use_dora=true but {plain[:3]} have no "
+                    f"lora_magnitude_vector (DoRA imports for q_proj, k_proj, v_proj, o_proj)")
+            orphans = sorted(set(self.magnitudes) - set(self.modules))
+            if orphans:
+                raise ConversionError(f"{self.path}: {orphans[:3]} have a lora_magnitude_vector "
+                                      f"but no LoRA factors")
+
+    def _add_magnitude(self, key: str, module: str) -> None:
+        if not self.config.use_dora:
+            raise ConversionError(f"{self.path}: key {key!r} is a DoRA magnitude but "
+                                  f"{self.config.path} does not set use_dora=true")
+        m = _ATTN.match(module)
+        if not m:
+            raise ConversionError(f"{self.path}: key {key!r}: DoRA imports for the attention "
+                                  f"projections (q_proj, k_proj, v_proj, o_proj) only")
+        self._layer(key, m.group(1))
+        out = self._hf[module + ".weight"][0]
+        if self.shapes[key] != (out,):
+            raise self._bad_shape(key, [out])
+        self.magnitudes[module] = key
 
     def _check_base_copy(self, key: str, name: str) -> None:
         want = self._hf["model.embed_tokens.weight" if "embed" in name else "lm_head.weight"]

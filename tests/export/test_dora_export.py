@@ -1,9 +1,11 @@
 """DoRA adapters trained 3 steps at TP2+SP (dropout 0.1), exported, judged by transformers + PEFT:
 an attention DoRA adapter exports to PEFT (`use_dora: true`, `lora_magnitude_vector` per module)
 whose logits, and PEFT's merge_and_unload, and our merged HF export, equal the trained model's
-(fp32, max abs diff <= 1e-4); the trained magnitudes matter (resetting them to the row norms moves
+(fp32, max abs diff <= 1e-4), and `import peft` of it gives back the trained checkpoint's tensors
+bit for bit; the trained magnitudes matter (resetting them to the row norms moves
 PEFT's logits); an expert DoRA adapter is refused by `export peft` naming --lora-use-dora and
-`export hf --merge`, and its merged HF export equals the trained model's logits."""
+`export hf --merge`, and its merged HF export, and `logits --adapter` at TP1 (the checkpoint
+resharded), equal the trained model's logits."""
 
 import json
 import os
@@ -96,6 +98,38 @@ def test_attention_dora_export_matches_transformers_peft(dora_runs, tmp_path):
                      progress=False)
     assert _max_diff(S.hf_logits(merged, tokens), ours) <= TOL
 
+    # import peft of the export gives back the trained checkpoint's tensors bit for bit.
+    from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+    from megatron_lora.export.from_peft import import_peft
+    from megatron_lora.training.checkpoint import resolve
+
+    report = import_peft(out, str(tmp_path / "back"), hf_config=dora_runs["hf"])
+    assert report["config"]["use_dora"] is True and not report["notes"]
+
+    def tensors_of(directory):
+        ckpt = TorchDistCheckpoint(directory)
+        return {k: ckpt.read(k, (0,) * len(ckpt.shape(k)), ckpt.shape(k))
+                for k in ckpt.tensors if not k.startswith("optimizer.")}
+
+    original = tensors_of(resolve(os.path.join(dora_runs["root"], "attention")))
+    back = tensors_of(str(tmp_path / "back"))
+    assert sorted(original) == sorted(back)
+    assert any(k.endswith("lora_magnitude_vector") for k in original)
+    for key in original:
+        assert torch.equal(original[key].view(torch.uint8), back[key].view(torch.uint8)), key
+
+    # A DoRA adapter that leaves k_proj of layer 0 out cannot be imported (its rows' magnitude
+    # would be the base weight's norm): refused naming the module.
+    import shutil
+
+    partial = str(tmp_path / "partial")
+    shutil.copytree(out, partial)
+    path = os.path.join(partial, "adapter_model.safetensors")
+    kept = {k: v for k, v in load_file(path).items() if "layers.0.self_attn.k_proj" not in k}
+    save_file(kept, path)
+    with pytest.raises(ConversionError, match=r"layers\.0\.self_attn\.k_proj"):
+        import_peft(partial, str(tmp_path / "partial-back"), hf_config=dora_runs["hf"])
+
     # The trained magnitudes are used: m = ||W + s B A||_row instead changes the logits.
     from peft import PeftModel
 
@@ -123,3 +157,10 @@ def test_expert_dora_export_refused_and_merged_export_exact(dora_runs, tmp_path)
     ours = _ours(dora_runs, "experts")
     assert _max_diff(S.hf_logits(dora_runs["hf"], tokens), ours) > 100 * TOL
     assert _max_diff(S.hf_logits(merged, tokens), ours) <= TOL
+    # The checkpoint saved at TP2 (qkv / fc1 magnitudes sharded, fc1's with stride 2) loads at
+    # TP1 into a fresh model: `logits --adapter` gives the trained model's logits.
+    out = str(tmp_path / "logits.safetensors")
+    proc = S.cli("logits", "--load", dora_runs["mcore"], "--adapter", run,
+                 "--tokens", dora_runs["tokens"], "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _max_diff(load_file(out)["logits"], ours) <= TOL

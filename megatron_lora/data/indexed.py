@@ -10,7 +10,7 @@ those of train's --tokenizer.
 Packing is that of `data/packing.py` and `data/jsonl.py`'s `read_jsonl` for the same samples in
 the same order: truncation to `max_tokens` (--seq-length+1), samples without a target after their
 first token dropped, greedy in-order packing. Only the packing plan is computed at start-up, from
-the sequence lengths and loss masks (`PackPlan`: 16 bytes per sample, no token held); the rows of
+the sequence lengths and loss masks (`PackPlan`: 8 bytes per sample, no token held); the rows of
 a batch are built from the memory map when the batch is asked for, and are exactly the rows
 `pack_samples` would have built. `IndexedPackedDataset` orders its rows as `PackedDataset` does
 (same permutation for a seed and epoch), so a JSONL file and its preprocessed prefix give the same
@@ -33,7 +33,7 @@ from megatron_lora.data.packing import inputs_labels_mask
 
 TARGETS_SUFFIX = "_targets"
 PREPROCESS_FORMAT = "megatron-lora indexed samples"
-_CHUNK_TOKENS = 1 << 24  # loss-mask bytes scanned at a time when planning
+_CHUNK_TOKENS = 1 << 18  # loss-mask bytes scanned at a time when planning
 
 
 def is_prefix(path: str) -> bool:
@@ -55,7 +55,7 @@ class IndexedSamples:
         self.prefix = prefix
         meta = _read_meta(prefix, flag)
         self.tokens_ds = IndexedDataset(prefix, mmap=True)
-        self.lengths = np.asarray(self.tokens_ds.sequence_lengths, dtype=np.int64)
+        self.lengths = self.tokens_ds.sequence_lengths  # int32 [N], a view of the .idx map
         targets = prefix + TARGETS_SUFFIX
         self.targets_ds = None
         if is_prefix(targets):
@@ -93,22 +93,33 @@ class IndexedSamples:
         none): a sample truncated to L tokens teaches something iff this is < L."""
         n = len(self)
         if self.targets_ds is None:
-            return np.minimum(np.ones(n, dtype=np.int64), self.lengths)
-        first = self.lengths.copy()
-        pointers = np.asarray(self.targets_ds.index.sequence_pointers, dtype=np.int64)
-        data = np.memmap(self.prefix + TARGETS_SUFFIX + ".bin", dtype=np.uint8, mode="r")
-        a = 0
-        while a < n:  # a chunk of whole samples of about _CHUNK_TOKENS bytes
-            b = int(np.searchsorted(pointers, pointers[a] + _CHUNK_TOKENS, side="right"))
-            b = min(max(b, a + 1), n)
-            lo, hi = int(pointers[a]), int(pointers[b - 1] + self.lengths[b - 1])
-            hits = np.flatnonzero(data[lo:hi]) + lo
-            doc = np.searchsorted(pointers[a:b], hits, side="right") - 1 + a
-            keep = hits - pointers[doc] >= 1
-            docs, at = np.unique(doc[keep], return_index=True)
-            first[docs] = (hits[keep] - pointers[doc[keep]])[at]
-            a = b
-        del data
+            return np.minimum(np.ones(n, dtype=np.int32), self.lengths)
+        first = np.array(self.lengths, dtype=np.int32)
+        pointers = self.targets_ds.index.sequence_pointers  # int64 byte offsets (uint8 masks)
+        none = np.int32(np.iinfo(np.int32).max)
+        # Read in chunks of about _CHUNK_TOKENS bytes of whole samples (not through the memory
+        # map, whose pages would stay resident): ~10 bytes of temporaries per chunk byte (2.5 MiB).
+        with open(self.prefix + TARGETS_SUFFIX + ".bin", "rb") as f:
+            a = 0
+            while a < n:
+                b = int(np.searchsorted(pointers, pointers[a] + _CHUNK_TOKENS, side="right"))
+                b = min(max(b, a + 1), n)
+                lo, hi = int(pointers[a]), int(pointers[b - 1] + self.lengths[b - 1])
+                f.seek(lo)
+                data = np.frombuffer(f.read(hi - lo), dtype=np.uint8)
+                if data.shape[0] != hi - lo:
+                    raise DataError(f"{self.prefix}{TARGETS_SUFFIX}.bin is shorter than its "
+                                    f".idx says; run `megatron-lora preprocess` again")
+                lengths = np.asarray(self.lengths[a:b])
+                full = np.flatnonzero(lengths > 0)
+                if full.size:
+                    starts = (pointers[a:b][full] - lo).astype(np.int32)
+                    mark = data != 0
+                    mark[starts] = False  # a sample's first token is never a target
+                    pos = np.where(mark, np.arange(data.shape[0], dtype=np.int32), none)
+                    found = np.minimum.reduceat(pos, starts) if pos.size else pos
+                    first[a + full] = np.where(found < none, found - starts, lengths[full])
+                a = b
         return first
 
 
@@ -130,9 +141,9 @@ def _read_meta(prefix: str, flag: str) -> Optional[dict]:
 class PackPlan:
     """Which samples make which packed row, from lengths alone.
 
-    kept: [K] int64 sample indices of the prefix, in order (those with a target after
-    truncation); row_starts: [R+1] int64, row r holds kept[row_starts[r]:row_starts[r+1]];
-    lengths: [K] int64 truncated length of each kept sample. truncated counts every sample longer
+    kept: [K] int32 (int64 beyond 2^31 samples) sample indices of the prefix, in order (those
+    with a target after truncation); row_starts: [R+1] int64, row r holds
+    kept[row_starts[r]:row_starts[r+1]]; lengths: [K] int32 truncated length of each kept sample. truncated counts every sample longer
     than max_tokens (as read_jsonl counts them, dropped ones included)."""
 
     kept: np.ndarray
@@ -149,15 +160,18 @@ def plan_packing(samples: IndexedSamples, max_tokens: int) -> PackPlan:
     """pack_samples' greedy in-order packing of the usable truncated samples into rows of
     `max_tokens` tokens (data/packing.py), as a plan."""
     full = samples.lengths
-    trunc = np.minimum(full, max_tokens)
-    kept = np.flatnonzero(samples.first_targets() < trunc).astype(np.int64)
+    trunc = np.minimum(full, max_tokens).astype(np.int32)
+    index = np.int64 if len(samples) >= 2**31 else np.int32
+    kept = np.flatnonzero(samples.first_targets() < trunc).astype(index)
     lengths = trunc[kept]
-    starts, used = [0], 0
-    for j, n in enumerate(lengths.tolist()):
-        if used + n > max_tokens:
-            starts.append(j)
-            used = 0
-        used += n
+    del trunc
+    starts, used, step = [0], 0, 1 << 16
+    for at in range(0, len(kept), step):  # the greedy loop, a slice of Python ints at a time
+        for j, n in enumerate(lengths[at:at + step].tolist(), at):
+            if used + n > max_tokens:
+                starts.append(j)
+                used = 0
+            used += n
     if len(kept):
         starts.append(len(kept))
     return PackPlan(kept, np.asarray(starts, dtype=np.int64), lengths,

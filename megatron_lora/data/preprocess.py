@@ -22,7 +22,8 @@ are written in input order, so the files are byte-identical for any number of wo
 Outputs are atomic: everything is written under temporary names (`P.bin.partial-PID`, ...) and
 renamed at the end, `P_targets.idx` and then `P.idx` last, after an existing `P.idx` has been
 removed (with overwrite). `train` accepts a prefix only when `P.idx` exists, so a run killed at any
-point leaves no prefix it accepts; an exception removes the temporary files.
+point leaves no prefix it accepts; an exception removes the temporary files, and the next run at
+the same prefix removes those a killed run left (`remove_stale_partials`).
 """
 
 from __future__ import annotations
@@ -185,6 +186,21 @@ def check_prefix_free(prefix: str, overwrite: bool) -> None:
                               f"exist(s); pass --overwrite to replace them")
 
 
+def remove_stale_partials(prefix: str) -> List[str]:
+    """Delete the temporary files (`P.bin.partial-PID`, ...) that a killed run at this prefix
+    left, those whose writer PID no longer runs; returns their paths."""
+    import glob
+
+    removed = []
+    for suffix in SUFFIXES:
+        for path in glob.glob(glob.escape(f"{prefix}{suffix}.partial-") + "*"):
+            pid = path.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
 def _dtype_for(vocab_size: int):
     from megatron.core.datasets.indexed_dataset import DType
 
@@ -214,6 +230,7 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
         if not os.path.isfile(path):
             raise PreprocessError(f"--input {path}: no such file")
     tokenizer = load_tokenizer(tokenizer_spec)
+    remove_stale_partials(prefix)
     stats = PreprocessStats()
     progress = _Progress(sum(os.path.getsize(p) for p in inputs), progress_interval,
                          progress_stream)

@@ -76,6 +76,10 @@ def test_a_blend_of_prefixes_draws_their_rows_in_proportion_and_resumes_exactly(
     mine = [row for t in first[:6] for row in t if row[1] == ord("A")]
     expected = [alone.batch(k, 1).tokens[0] for k in range(len(mine))]
     assert all(torch.equal(x, y) for x, y in zip(mine, expected))
+    # A blend of the JSONL file and prefix B: the same batches as of the two prefixes.
+    mixed = open_data(["0.7", a_jsonl, "0.3", b], tok, 6, seed=3).train
+    for i in (0, 9, 39):
+        assert torch.equal(mixed.batch(i * gbs, gbs).tokens, first[i])
     other = open_data(["0.7", a, "0.3", b], tok, 6, seed=4).train
     assert not torch.equal(other.batch(0, gbs).tokens, first[0])
 

@@ -79,6 +79,20 @@ def test_prefix_batches_are_the_jsonl_batches(tmp_path, spec, seq_length, chatml
     assert not torch.equal(other.train.batch(0, 5).tokens, b.train.batch(0, 5).tokens)
 
 
+def test_loss_masks_are_scanned_the_same_in_small_chunks(tmp_path, monkeypatch):
+    import megatron_lora.data.indexed as indexed
+
+    _, prefix = _data(str(tmp_path), "byte")
+    samples = IndexedSamples(prefix)
+    whole = samples.first_targets()
+    expected = [next((j for j in range(1, len(t)) if t[j]), len(t))
+                for t in (samples.targets(i).tolist() for i in range(len(samples)))]
+    assert whole.tolist() == expected and len(set(expected)) > 3
+    for chunk in (1, 7, 100):  # chunks of one sample, and chunks cutting samples in two
+        monkeypatch.setattr(indexed, "_CHUNK_TOKENS", chunk)
+        assert samples.first_targets().tolist() == expected
+
+
 def test_a_megatron_lm_prefix_trains_on_every_token(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

@@ -162,6 +162,9 @@ def test_a_killed_run_leaves_no_prefix_that_train_accepts(tmp_path, monkeypatch)
 
     with pytest.raises(DataError, match="neither a JSONL file nor an indexed dataset prefix"):
         open_data([prefix], load_tokenizer("byte"), 32, seed=1)
+    # The next run at the prefix removes what the killed one left, and writes a whole prefix.
+    preprocess([data], "byte", prefix, overwrite=True, progress_interval=-1)
+    assert is_prefix(prefix) and not [p for p in os.listdir(tmp_path) if ".partial-" in p]
 
 
 def test_no_samples_and_bad_arguments_are_errors(tmp_path):

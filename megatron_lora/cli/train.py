@@ -87,6 +87,11 @@ def add_arguments(p) -> None:
     d.add_argument("--eval-fraction", type=float, default=0.0,
                    help="fraction of the --data-path sequences held out for --eval-interval "
                    "(or give --valid-data-path)")
+    d.add_argument("--split", default=None, metavar="A,B,C",
+                   help="Megatron-LM's train,validation,test weights of each --data-path path's "
+                   "packed sequences, e.g. 98,2,0: the first A/(A+B+C) train, the next "
+                   "B/(A+B+C) are the validation data for --eval-interval, the test part is not "
+                   "used (instead of --eval-fraction)")
     d.add_argument("--valid-data-path", default=None, metavar="FILE",
                    help="validation data for --eval-interval: a JSONL file or an indexed "
                    "prefix, as for --data-path (instead of --eval-fraction)")

@@ -231,23 +231,22 @@ class IndexedPackedDataset(PackedDataset):
             range(consumed_samples, consumed_samples + global_batch_size))))
 
 
-def open_indexed(prefix: str, tokenizer, seq_length: int, seed: int, eval_fraction: float = 0.0,
+def open_indexed(prefix: str, tokenizer, seq_length: int, seed: int, split_rows=None,
                  flag: str = "--data-path"):
-    """(train IndexedPackedDataset, held-out one or None, stats) of one prefix, the last
-    round(rows * eval_fraction) rows held out as for JSONL. stats: samples, truncated, rows."""
+    """(train IndexedPackedDataset, held-out one or None, stats) of one prefix.
+
+    split_rows(n) -> ((train_lo, train_hi), (held_lo, held_hi)), ranges of the n packed rows
+    (data/sources.py's; default: every row trains). stats: samples, truncated, rows."""
     samples = IndexedSamples(prefix, tokenizer, flag)
     plan = plan_packing(samples, seq_length + 1)
     if plan.num_rows == 0:
         raise DataError(f"{flag} {prefix}: no usable samples")
     n = plan.num_rows
-    n_eval = int(round(n * eval_fraction))
-    if n_eval >= n:
-        raise DataError(f"{flag} {prefix}: --eval-fraction {eval_fraction} leaves no training "
-                        f"sequences of {n}")
+    (t_lo, t_hi), (h_lo, h_hi) = split_rows(n) if split_rows is not None else ((0, n), (n, n))
     make = lambda lo, hi: IndexedPackedDataset(samples, plan, seq_length,  # noqa: E731
                                                tokenizer.pad_id, seed, lo, hi)
-    train = make(0, n - n_eval)
-    held = make(n - n_eval, n) if n_eval else None
+    train = make(t_lo, t_hi)
+    held = make(h_lo, h_hi) if h_hi > h_lo else None
     return train, held, dict(samples=int(plan.kept.shape[0]), truncated=plan.truncated, rows=n)
 
 

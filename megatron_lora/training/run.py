@@ -197,8 +197,19 @@ def _datasets(args, info, run):
     if tokenizer.vocab_size > info.vocab_size:
         raise TrainSetupError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size {info.vocab_size}")
+    split = None
+    if getattr(args, "split", None):
+        from megatron_lora.data.sources import parse_split
+
+        split = parse_split(args.split)
+        given = [f for f, v in (("--eval-fraction", args.eval_fraction),
+                                ("--valid-data-path", getattr(args, "valid_data_path", None)))
+                 if v]
+        if given:
+            raise TrainSetupError(f"--split {args.split} and {' and '.join(given)} all give "
+                                  f"validation data; give one of them")
     data = open_data(args.data_path, tokenizer, run.seq_length, run.seed,
-                     eval_fraction=args.eval_fraction)
+                     eval_fraction=args.eval_fraction, split=split)
     train, evaluation = data.train, data.held_out
     n_eval = len(evaluation) if evaluation is not None else 0
     n = len(train) + n_eval
@@ -208,7 +219,8 @@ def _datasets(args, info, run):
             "--eval-interval needs validation data: give --valid-data-path FILE, or hold out "
             "part of --data-path with --eval-fraction F" + (
                 f" (--eval-fraction {args.eval_fraction} of {n} sequences rounds to none)"
-                if args.eval_fraction else ""))
+                if args.eval_fraction else "") + (
+                f" (--split {args.split} of {n} sequences gives none)" if split else ""))
     stats = dict(samples=data.samples, truncated=data.truncated, sequences=n - n_eval,
                  held_out=n_eval)
     if valid_path:

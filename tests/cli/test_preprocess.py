@@ -88,6 +88,14 @@ def test_train_reads_a_prefix_and_a_blend(capsys, tiny, tmp_path):
 
     with pytest.raises(TrainSetupError, match="--data-path: expected one path, or weight-path"):
         _setup(tiny, "0.5", prefix, jsonl)
+    train_s, held_s, stats_s = _setup(tiny, prefix, extra=("--split", "80,20,0",
+                                                            "--eval-interval", "1"))
+    assert len(train_s) + len(held_s) == stats_j["sequences"] and len(held_s) > 0
+    assert stats_s["held_out"] == len(held_s)
+    with pytest.raises(TrainSetupError, match="--split 98,2 and --eval-fraction all give"):
+        _setup(tiny, prefix, extra=("--split", "98,2", "--eval-fraction", "0.1"))
+    with pytest.raises(TrainSetupError, match="--split 'x': expected up to three"):
+        _setup(tiny, prefix, extra=("--split", "x"))
     os.unlink(prefix + ".idx")  # what a killed preprocess leaves: no prefix
     with pytest.raises(TrainSetupError, match="neither a JSONL file nor an indexed dataset"):
         _setup(tiny, prefix)

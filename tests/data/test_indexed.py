@@ -79,6 +79,34 @@ def test_prefix_batches_are_the_jsonl_batches(tmp_path, spec, seq_length, chatml
     assert not torch.equal(other.train.batch(0, 5).tokens, b.train.batch(0, 5).tokens)
 
 
+def test_split_takes_each_part_in_order_and_the_same_rows_from_jsonl_and_prefix(tmp_path):
+    from megatron_lora.data.sources import parse_split, split_rows
+
+    assert parse_split("98,2,0") == pytest.approx((0.98, 0.02, 0.0))
+    assert parse_split("3,1") == (0.75, 0.25, 0.0)
+    for bad in ("0,1,0", "a,b", "1,2,3,4", "1,-1", "nan,1"):
+        with pytest.raises(ValueError, match="--split .*expected up to three"):
+            parse_split(bad)
+    assert split_rows(100, split=parse_split("90,8,2")) == ((0, 90), (90, 98))
+    assert split_rows(100, eval_fraction=0.1) == ((0, 90), (90, 100))
+    tok = load_tokenizer("byte")
+    path, prefix = _data(str(tmp_path), "byte")
+    split = parse_split("6,2,2")
+    a = open_data([path], tok, 24, seed=7, split=split)
+    b = open_data([prefix], tok, 24, seed=7, split=split)
+    whole = open_data([prefix], tok, 24, seed=7)
+    n = len(whole.train)
+    assert len(a.train) == len(b.train) == round(0.6 * n) and len(b.held_out) == round(0.8 * n) - \
+        round(0.6 * n)
+    _assert_same(a.train, b.train, [0, 7])
+    _assert_same(a.held_out, b.held_out, [0, 1])
+    # The validation rows are rows 0.6n..0.8n of the whole plan: none of them trains.
+    held_rows = b.held_out.rows(range(len(b.held_out)))[0]
+    train_rows = b.train.rows(range(len(b.train)))[0]
+    assert torch.equal(held_rows, whole.train.rows(range(len(b.train), round(0.8 * n)))[0])
+    assert not any(torch.equal(h, t) for h in held_rows for t in train_rows)
+
+
 def test_loss_masks_are_scanned_the_same_in_small_chunks(tmp_path, monkeypatch):
     import megatron_lora.data.indexed as indexed
 

@@ -11,13 +11,14 @@ memory-mapped. The samples are exactly those `train` makes of the JSONL lines. O
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "preprocess", help="tokenize JSONL into a megatron-core indexed dataset (.bin/.idx)",
-        allow_abbrev=False,
+        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Tokenize JSONL training data (text, prompt/response or messages lines) "
         "into megatron-core indexed datasets at --output-prefix: PREFIX.bin/.idx (token ids), "
         "PREFIX_targets.bin/.idx (loss masks), PREFIX.json; train --data-path PREFIX reads "
@@ -29,16 +30,15 @@ def register(sub) -> None:
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="output path without extension")
     p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="tokenizing processes (default: %(default)s); the output does not "
-                   "depend on it")
+                   help="tokenizing processes; the output does not depend on it")
     p.add_argument("--chunk-lines", type=int, default=256, metavar="N",
-                   help="lines per unit of work (default: %(default)s)")
+                   help="lines per unit of work")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed lines (counted and reported) instead of stopping at the "
                    "first one")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prefix")
     p.add_argument("--log-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between progress lines on stderr (default: %(default)s)")
+                   help="seconds between progress lines on stderr (negative: none)")
     p.set_defaults(func=_run)
 
 

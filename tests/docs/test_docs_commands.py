@@ -4,8 +4,9 @@ the real command-line parser as written, and its parallel layout fits its torchr
 Mixtral 8x7B (the model the docs are about) with the checks the commands run before starting, so
 a renamed flag, a bad choice or a layout that the command would refuse cannot sit in the docs.
 
-The commands are not run here against 8x7B-sized models; the tiny runnable ones are run by the
-tests of their features (docs/training.md's API program: tests/training/test_api_docs.py)."""
+The same commands are run as written on the tiny model by tests/docs/test_docs_run.py; this test
+adds that their layouts would also be accepted for the 8x7B model (docs/training.md's API
+program: tests/training/test_api_docs.py)."""
 
 import glob
 import json

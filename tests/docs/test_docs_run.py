@@ -1,0 +1,136 @@
+"""Every ```bash block of docs/ runs as written.
+
+Each page's `bash` blocks, in page order, are one bash script (`set -euo pipefail`, so any failing
+command fails the page) run from a fresh folder that stands for the repository root: it holds links
+to the repository's `tools/`, `examples/` and `benchmarks/`, and nothing else, so a page must make
+its own inputs (it starts with `python tools/make_tiny_example.py --out tiny`). `python`,
+`megatron-lora` and `torchrun` are this environment's. The only change to the environment is
+`PET_STANDALONE=1`, torchrun's own variable for `--standalone` (a free rendezvous port per launch),
+so that two suites on one machine cannot meet on torchrun's default port.
+
+Commands that cannot run inside the suite (installs, the suite itself, benchmarks of minutes, vLLM
+on a GPU) are shown in ```sh blocks instead; `test_sh_blocks_name_what_exists` checks that the
+scripts, test folders, extras and benchmark flags they name exist.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LINKED = ("tools", "examples", "benchmarks")
+
+
+def _blocks(path: str, language: str):
+    """The `language` fenced blocks of a markdown file, dedented (a block may sit in a list)."""
+    text = open(path, encoding="utf-8").read()
+    return [textwrap.dedent(m.group(2)) for m in
+            re.finditer(rf"^([ \t]*)```{language}\n(.*?)^\1```", text, re.S | re.M)]
+
+
+PAGES = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+         if _blocks(p, "bash")]
+
+
+def test_the_pages_with_commands_are_found():
+    # the extraction itself works: these pages show runnable commands
+    assert {"docs/conversion.md", "docs/peft.md", "docs/training.md", "docs/index.md"} <= \
+        set(PAGES), PAGES
+
+
+def _run_page(page: str, folder) -> subprocess.CompletedProcess:
+    for name in LINKED:
+        os.symlink(os.path.join(ROOT, name), folder / name)
+    script = "set -euo pipefail\n" + "\n".join(_blocks(os.path.join(ROOT, page), "bash"))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               PET_STANDALONE="1")
+    return subprocess.run(["bash", "-c", script], cwd=str(folder), env=env, capture_output=True,
+                          text=True, timeout=int(os.environ.get("MLORA_DOCS_TIMEOUT", "900")))
+
+
+# What each page's commands leave behind, beyond their exit status.
+OUTPUTS = {
+    "docs/conversion.md": ["mixtral-mcore/metadata.json", "logits.safetensors",
+                           "logits-hf.safetensors", "Mixtral-out/config.json",
+                           "Mixtral-out/tokenizer.json"],
+    "docs/peft.md": ["runs/lora/latest_checkpointed_iteration.txt", "my-adapter/adapter_config.json",
+                     "Mixtral-merged/config.json", "logits.safetensors", "completions.jsonl",
+                     "imported/metadata.json"],
+    "docs/training.md": ["runs/lora/iter_0000010", "runs/lora/loss_curve.png", "runs/tb"],
+    "docs/index.md": ["parity"],
+}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_docs_page_commands_run_as_written(page, tmp_path):
+    done = _run_page(page, tmp_path)
+    assert done.returncode == 0, (
+        f"{page}: a command failed (exit {done.returncode})\n--- stdout\n{done.stdout[-3000:]}"
+        f"\n--- stderr\n{done.stderr[-4000:]}")
+    missing = [p for p in OUTPUTS.get(page, []) if not (tmp_path / p).exists()]
+    assert not missing, f"{page}: its commands ran but did not write {missing}"
+    if page == "docs/conversion.md":
+        # the two logits commands (mcore at TP2xEP2+SP, HF folder at PP2) agree
+        (diff,) = re.findall(r"largest difference: (\S+)", done.stdout)
+        assert float(diff) < 1e-4, done.stdout
+    if page == "docs/peft.md":
+        assert re.search(r"PeftModel\w* with [1-9]\d* LoRA parameters", done.stdout), done.stdout
+        import json
+
+        (line,) = open(tmp_path / "completions.jsonl").read().splitlines()
+        out = json.loads(line)
+        assert out["prompt"] == "The capital of France is" and 1 <= len(out["token_ids"]) <= 16
+    if page == "docs/index.md":
+        assert "all layouts agree with the single-rank run" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_failing_command_fails_its_page(tmp_path, monkeypatch):
+    """The runner does not hide a failure: a page whose block has a mistyped flag fails."""
+    page = tmp_path / "docs" / "broken.md"
+    page.parent.mkdir()
+    page.write_text("# broken\n```bash\necho first\nmegatron-lora data-preview --data-path d.jsonl --tokenizer byte --seq-length 8 --no-such-flag\n"
+                    "echo never\n```\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    for name in LINKED:
+        (tmp_path / name).mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    done = _run_page("docs/broken.md", run)
+    assert done.returncode == 2 and "first" in done.stdout and "never" not in done.stdout
+    assert "--no-such-flag" in done.stderr
+
+
+def test_sh_blocks_name_what_exists():
+    """The commands the suite cannot run name scripts, folders, extras and flags that exist."""
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    problems, seen = [], 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        for block in _blocks(path, "sh"):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                line = line.split(" #", 1)[0].strip()
+                if not line:
+                    continue
+                seen += 1
+                words = line.split()
+                for word in words:
+                    if re.match(r"(benchmarks|tools|tests|examples)/", word) and \
+                            not os.path.exists(os.path.join(ROOT, word)):
+                        problems.append(f"{path}: {word} does not exist")
+                script = next((w for w in words if re.match(r"benchmarks/\S+\.py$", w)), None)
+                if script and os.path.exists(os.path.join(ROOT, script)):
+                    source = open(os.path.join(ROOT, script)).read()
+                    problems += [f"{path}: {script} has no {w}" for w in words
+                                 if w.startswith("--") and f'"{w}"' not in source]
+                for extra in re.findall(r"\.\[([\w,]+)\]", line):
+                    problems += [f"{path}: setup.py has no extra {e!r}" for e in extra.split(",")
+                                 if f'"{e}"' not in setup]
+                if words[:2] == ["make", "test"]:
+                    assert "make test" in open(os.path.join(ROOT, "README.md")).read()
+    assert seen >= 5 and not problems, problems

@@ -145,6 +145,8 @@ def _param_pairs(optimizer):
     """
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = sub.optimizer
+        if inner is None:  # a sub-optimizer with nothing to train here (e.g. only expert targets)
+            continue
         if hasattr(sub, "float16_groups"):
             for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
                 for model_p, main_p in zip(model_group, main_group):

@@ -15,7 +15,9 @@ scripts, test folders, extras and benchmark flags they name exist.
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
+import json
 import os
 import re
 import subprocess
@@ -41,7 +43,8 @@ PAGES = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "
 
 def test_the_pages_with_commands_are_found():
     # the extraction itself works: these pages show runnable commands
-    assert {"docs/conversion.md", "docs/peft.md", "docs/training.md", "docs/index.md"} <= \
+    assert {"docs/conversion.md", "docs/peft.md", "docs/training.md", "docs/index.md",
+            "docs/lora.md"} <= \
         set(PAGES), PAGES
 
 
@@ -63,14 +66,34 @@ OUTPUTS = {
     "docs/peft.md": ["runs/lora/latest_checkpointed_iteration.txt", "my-adapter/adapter_config.json",
                      "Mixtral-merged/config.json", "logits.safetensors", "completions.jsonl",
                      "imported/metadata.json"],
-    "docs/training.md": ["runs/lora/iter_0000010", "runs/lora/loss_curve.png", "runs/tb"],
+    "docs/training.md": ["runs/lora/iter_0000010", "runs/lora/loss_curve.png", "runs/tb",
+                         "data/train.idx", "data/train_targets.idx", "runs/indexed/iter_0000002"],
+    "docs/lora.md": ["dora-adapter/adapter_config.json", "Mixtral-dora-merged/config.json"],
     "docs/index.md": ["parity"],
 }
 
 
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory):
+    """{page: a future of (its folder, its completed run)}. Pages are independent and most of
+    their commands are one process, so two run side by side (one core each on 2 cores)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+
+    def run(page):
+        folder = tmp_path_factory.mktemp(os.path.basename(page).replace(".", "_"))
+        return folder, _run_page(page, folder)
+
+    # the longest pages first, so that the last one to start is short
+    order = sorted(PAGES, key=lambda p: -len("".join(_blocks(os.path.join(ROOT, p), "bash"))))
+    futures = {page: pool.submit(run, page) for page in order}
+    yield futures
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("page", PAGES)
-def test_docs_page_commands_run_as_written(page, tmp_path):
-    done = _run_page(page, tmp_path)
+def test_docs_page_commands_run_as_written(page, page_runs):
+    tmp_path, done = page_runs[page].result()
     assert done.returncode == 0, (
         f"{page}: a command failed (exit {done.returncode})\n--- stdout\n{done.stdout[-3000:]}"
         f"\n--- stderr\n{done.stderr[-4000:]}")
@@ -82,11 +105,11 @@ def test_docs_page_commands_run_as_written(page, tmp_path):
         assert float(diff) < 1e-4, done.stdout
     if page == "docs/peft.md":
         assert re.search(r"PeftModel\w* with [1-9]\d* LoRA parameters", done.stdout), done.stdout
-        import json
-
         (line,) = open(tmp_path / "completions.jsonl").read().splitlines()
         out = json.loads(line)
         assert out["prompt"] == "The capital of France is" and 1 <= len(out["token_ids"]) <= 16
+    if page == "docs/lora.md":
+        assert json.load(open(tmp_path / "dora-adapter/adapter_config.json"))["use_dora"] is True
     if page == "docs/index.md":
         assert "all layouts agree with the single-rank run" in done.stdout, done.stdout[-2000:]
 

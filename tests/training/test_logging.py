@@ -7,6 +7,7 @@ import json
 import os
 import struct
 import sys
+import time
 
 import pytest
 
@@ -123,7 +124,14 @@ def test_wandb_offline_run_holds_the_logged_scalars(tmp_path, monkeypatch):
     log.close(None)
     files = glob.glob(os.path.join(save_dir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(files) == 1, os.listdir(save_dir)
-    history = _wandb_history(files[0])
+    # wandb's service process writes the file; under a loaded suite its last records were once
+    # seen to land after finish() returned, so the file is read until they are there (<= 60 s)
+    deadline = time.monotonic() + 60
+    while True:
+        history = _wandb_history(files[0])
+        if (VALID_LOSS, 3) in history or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert {k: v for k, v in history.items() if k[0] in (LOSS, VALID_LOSS)} == {
         (LOSS, 1): 3.875, (LOSS, 2): 3.75, (LOSS, 3): 3.625, (VALID_LOSS, 3): pytest.approx(2.7)}
     assert history[(LR, 2)] == pytest.approx(5e-4) and history[(GRAD_NORM, 3)] == 3.5

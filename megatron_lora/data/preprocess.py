@@ -226,9 +226,13 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
     if chunk_lines < 1:
         raise PreprocessError(f"--chunk-lines must be at least 1, got {chunk_lines}")
     check_prefix_free(prefix, overwrite)
+    outputs = {os.path.realpath(p) for p in prefix_files(prefix)}
     for path in inputs:
         if not os.path.isfile(path):
             raise PreprocessError(f"--input {path}: no such file")
+        if os.path.realpath(path) in outputs:  # even with --overwrite: an input is never replaced
+            raise PreprocessError(f"--input {path} is one of the files of --output-prefix "
+                                  f"{prefix}; choose another prefix")
     tokenizer = load_tokenizer(tokenizer_spec)
     remove_stale_partials(prefix)
     stats = PreprocessStats()

@@ -39,6 +39,20 @@ def test_preprocess_writes_a_prefix_and_reports_it(capsys, data, tmp_path):
     assert code == 2 and "already exist" in err and "pass --overwrite" in err
 
 
+def test_an_input_that_is_one_of_the_outputs_is_refused_even_with_overwrite(capsys, data,
+                                                                           tmp_path):
+    source = tmp_path / "train.json"  # JSONL under a .json name: the prefix's P.json
+    source.write_text(open(data).read())
+    before = source.read_bytes()
+    code, out, err = _run(capsys, "--input", str(source), "--tokenizer", "byte",
+                          "--output-prefix", str(tmp_path / "train"), "--overwrite")
+    assert code == 2 and out == ""
+    assert err == (f"megatron-lora preprocess: error: --input {source} is one of the files of "
+                   f"--output-prefix {tmp_path / 'train'}; choose another prefix\n")
+    assert source.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["d.jsonl",
+                                                                              "train.json"]
+
+
 def test_bad_lines_exit_2_naming_file_and_line_or_are_skipped(capsys, data, tmp_path):
     with open(data, "a") as f:
         f.write('{"prompt": 1, "response": "x"}\n')

@@ -76,6 +76,12 @@ class IndexedSamples:
                 raise DataError(f"{flag} {prefix}: written with the tokenizer "
                                 f"{meta.get('tokenizer')!r}, not the --tokenizer of this run "
                                 f"({'; '.join(differ)})")
+        if tokenizer is not None:
+            largest = self.max_token()
+            if largest >= tokenizer.vocab_size:
+                raise DataError(f"{flag} {prefix}: {prefix}.bin holds token id {largest}, "
+                                f"outside the --tokenizer's {tokenizer.vocab_size} ids; give "
+                                f"the tokenizer the prefix was made with")
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -87,6 +93,20 @@ class IndexedSamples:
         if self.targets_ds is None:
             return np.ones(int(self.lengths[i]), dtype=np.uint8)
         return self.targets_ds[int(i)]
+
+    def max_token(self) -> int:
+        """The largest token id in `P.bin`, read in chunks of about _CHUNK_TOKENS ids (not
+        through the memory map, whose pages would stay resident): the ids come from a file, and
+        one outside the vocabulary would fail inside the embedding of some ranks only."""
+        dtype = np.dtype(self.tokens_ds.index.dtype)
+        step, largest = _CHUNK_TOKENS * dtype.itemsize, -1
+        with open(self.prefix + ".bin", "rb") as f:
+            while True:
+                data = f.read(step)
+                if not data:
+                    return largest
+                largest = max(largest, int(np.frombuffer(
+                    data[:len(data) - len(data) % dtype.itemsize], dtype=dtype).max(initial=0)))
 
     def first_targets(self) -> np.ndarray:
         """For each sample, the first position >= 1 whose token is a target (its length if

@@ -140,6 +140,21 @@ def test_a_megatron_lm_prefix_trains_on_every_token(tmp_path):
     assert batch.loss_mask.sum() == 4 + 2
 
 
+def test_a_prefix_with_token_ids_outside_the_vocabulary_is_refused(tmp_path, monkeypatch):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    monkeypatch.setattr("megatron_lora.data.indexed._CHUNK_TOKENS", 2)  # several chunks
+    prefix = str(tmp_path / "mlm")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for doc in ([256, 5, 6, 7, 257], [256, 9, 300, 257], [3, 4]):  # byte has 259 ids
+        builder.add_document(np.array(doc), [len(doc)])
+    builder.finalize(prefix + ".idx")
+    assert IndexedSamples(prefix).max_token() == 300
+    with pytest.raises(DataError, match=r"^--data-path .*mlm: .*mlm.bin holds token id 300, "
+                       r"outside the --tokenizer's 259 ids"):
+        open_data([prefix], load_tokenizer("byte"), 5, seed=1)
+
+
 def test_mismatched_or_incomplete_prefixes_are_refused(tmp_path, chatml):
     path, prefix = _data(str(tmp_path), "byte", n=8)
     with pytest.raises(DataError, match="written with the tokenizer 'byte'.*vocab_size 259 there"):

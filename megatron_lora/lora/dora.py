@@ -2,7 +2,7 @@
 
 A DoRA adapter adds a trainable magnitude vector m [out] to the LoRA pair and computes
 
-    out = base(x) + (m / n - 1) * (W d - 0) + (m / n) * scale * B A d,   n = ||W + scale * B A||_row
+    out = base(x) + (m / n - 1) * W d + (m / n) * scale * B A d,   n = ||W + scale * B A||_row
 
 where d = dropout(x) on the LoRA path (d = x when dropout is off or in eval mode, and then
 W d is the base output without its bias, so out = m / n * (W x + scale * B A x) + bias), and

@@ -8,7 +8,10 @@ of it are pure waste for this package:
   `torch.compile(fn)`, which imports TorchDynamo and Inductor (about 2 s of CPU) for fused kernels
   that run only if a config enables them. While megatron-core imports, `torch.compile(fn)`
   returns a function that compiles on its first call instead: nothing changes for a kernel that
-  runs, and nothing is imported for one that never does.
+  runs, and nothing is imported for one that never does. Without CUDA the function runs eagerly
+  instead (the same math, unfused): Inductor's CPU code generation costs about 4 s per process for
+  each kernel (a C++ build), far more than it saves at any shape a CPU run uses, and the MoE
+  router calls one (`_apply_expert_bias`, a no-op unless expert bias is on) in every forward.
 - `megatron.core.inference.contexts.dynamic_context` imports `wandb` when it is installed (about
   1 s) for its own inference logging, which this package does not use. While megatron-core
   imports, `import wandb` fails as if it were not installed; afterwards it imports normally, so
@@ -43,7 +46,7 @@ def _lazy_torch_compile():
         def call(*args, **kw):
             nonlocal compiled
             if compiled is None:
-                compiled = real(model)
+                compiled = real(model) if torch.cuda.is_available() else model
             return compiled(*args, **kw)
 
         return call

@@ -24,6 +24,17 @@ except ImportError:
 """
 
 
+MOE_PROBE = """
+import sys
+import megatron_lora
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+x = torch.ones(3, 4, dtype=torch.bool)
+TopKRouter._apply_expert_bias(type("R", (), {"enable_expert_bias": False})(), x)
+print("inductor", "torch._inductor" in sys.modules or "torch._dynamo.eval_frame" in sys.modules)
+"""
+
+
 def _probe(first: str) -> str:
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE.format(first=first)],
                           capture_output=True, text=True, timeout=300)
@@ -51,6 +62,7 @@ def test_a_lazily_compiled_function_compiles_once_on_its_first_call(monkeypatch)
         return lambda *a, **k: ("compiled", model(*a, **k))
 
     monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with lean_import._lazy_torch_compile():
         def double(x):
             return 2 * x
@@ -62,3 +74,23 @@ def test_a_lazily_compiled_function_compiles_once_on_its_first_call(monkeypatch)
     assert lazy.__name__ == "double"
     assert lazy(3) == ("compiled", 6) and lazy(4) == ("compiled", 8)
     assert compiled[1:] == [(double, {})]  # compiled exactly once, at the first call
+
+
+def test_without_cuda_a_kernel_runs_eagerly_and_never_compiles(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model=None, **kw: compiled.append(model))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with lean_import._lazy_torch_compile():
+        def double(x):
+            return 2 * x
+
+        lazy = torch.compile(double)
+    assert lazy(3) == 6 and lazy(4) == 8 and compiled == []
+
+
+def test_a_cpu_moe_forward_imports_no_inductor():
+    # megatron's router calls a @jit_fuser function in every forward; on CPU it must not compile
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", MOE_PROBE], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "inductor False" in out.stdout, out.stdout

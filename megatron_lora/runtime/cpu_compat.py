@@ -28,12 +28,18 @@ Fixes (see `install()`):
   recompute_device  the recomputed forward runs inside autograd's backward, where torch does not
                     apply the process's TorchFunctionMode (device_mode): CheckpointFunction.backward
                     and CheckpointWithoutOutput._recompute enter it again
+  checkpoint_queue  dist_checkpointing's FileSystemWriterAsync collects its writers' results through
+                    a Manager queue made with the "spawn" context (CUDA is not fork-safe): a fresh
+                    interpreter that re-imports the caller's main module (torch, megatron-core),
+                    about 5 s of CPU per process at its first checkpoint save. Without CUDA the
+                    Manager is forked instead; its writers are forked already.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing as mp
 from typing import Dict
 
 import torch
@@ -205,6 +211,18 @@ def _in_device_mode(fn):
     return run
 
 
+def _forked_results_queue(original):
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    @functools.wraps(original)
+    def get(*args, **kwargs):
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        return original(*args, **kwargs)  # returns the queue made above
+
+    return get
+
+
 # --------------------------------------------------------------------------------------------
 # install
 # --------------------------------------------------------------------------------------------
@@ -294,6 +312,16 @@ def install() -> Dict[str, bool]:
     mrandom.CheckpointWithoutOutput._recompute = _in_device_mode(
         mrandom.CheckpointWithoutOutput._recompute)
     _INSTALLED["recompute_device"] = True
+
+    # checkpoint_queue: 0.16 calls _get_write_results_queue(), 0.19 get_write_results_queue(
+    # mp_mode); both cache the queue in the module global _results_queue, looked up at call time.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    for name in ("_get_write_results_queue", "get_write_results_queue"):
+        if hasattr(filesystem_async, name):
+            ORIGINALS["checkpoint_queue"] = getattr(filesystem_async, name)
+            setattr(filesystem_async, name, _forked_results_queue(getattr(filesystem_async, name)))
+    _INSTALLED["checkpoint_queue"] = "checkpoint_queue" in ORIGINALS
     return dict(_INSTALLED)
 
 

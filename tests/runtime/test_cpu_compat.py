@@ -153,3 +153,24 @@ def test_tensor_type_names_satisfy_megatron_optimizers():
     p.grad = torch.full((4,), 2.0)
     clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
     torch.testing.assert_close(p.grad, torch.full((4,), 0.5), rtol=1e-6, atol=0)
+
+
+@CPU_ONLY
+@multirank(world_size=1)
+def test_checkpoint_writer_results_queue_is_forked_not_spawned(tmp_path):
+    import multiprocessing
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None  # as in a process that has not saved yet
+    before = {p.pid for p in multiprocessing.active_children()}
+    w = torch.arange(12.0).reshape(3, 4)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", w)}, str(tmp_path))
+    (manager,) = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert type(manager._popen).__module__ == "multiprocessing.popen_fork", manager._popen
+    # the forked Manager carries the writers' results: the checkpoint is whole and loads
+    back = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))},
+                                   str(tmp_path))
+    torch.testing.assert_close(back["w"], w)

@@ -134,10 +134,10 @@ sys.path.insert(0, {repo!r})
 from megatron_lora.data.sources import open_data
 from megatron_lora.data.tokenizers import ByteTokenizer
 
-class Tok(ByteTokenizer):  # the prefix's ids go up to 8000; only pad_id is used here
-    vocab_size = 8000
+tok = ByteTokenizer()
+tok.vocab_size = 8000  # the prefix's ids go up to 8000; only pad_id is used to pack
 
-data = open_data([{prefix!r}], Tok(), 512, seed=1)
+data = open_data([{prefix!r}], tok, 512, seed=1)
 for i in range(8):
     data.train.batch(i * 8, 8)
 # VmHWM: this process's peak RSS (getrusage's ru_maxrss would include the parent's at the fork).

@@ -1,6 +1,6 @@
 """data/indexed.py (and data/sources.py): a preprocessed prefix gives the batches of its JSONL
 file, row for row, at every consumed-samples position; Megatron-LM prefixes without loss masks
-train on every token; mismatched inputs are refused; training losses are identical (TP2+SP)."""
+train on every token; mismatched inputs are refused; training losses are identical (TP2+SP, PP2xEP2)."""
 
 import json
 import os
@@ -173,13 +173,15 @@ def loss_data(tmp_path_factory):
     return folder
 
 
-_TP2_SP = ParallelLayout(tp=2, sp=True)
-
-
-@multirank(world_size=2, timeout=300)
-def test_training_losses_from_a_prefix_equal_those_from_its_jsonl(loss_data, layout=_TP2_SP):
+@pytest.mark.parametrize("layout,world_size", [
+    pytest.param(ParallelLayout(tp=2, sp=True), 2, id="TP2+SP"),
+    pytest.param(ParallelLayout(pp=2, ep=2), 4, id="PP2xEP2"),
+])
+@multirank(world_size=lambda world_size, **_: world_size, timeout=300)
+def test_training_losses_from_a_prefix_equal_those_from_its_jsonl(loss_data, layout, world_size):
     """The same LoRA run (fp32, dropout 0.1) from the JSONL file and from its prefix: identical
-    losses at TP2+SP, and it trains."""
+    losses at TP2+SP and at PP2xEP2 (each rank holds its own stage's and experts' adapters), and
+    it trains."""
     from megatron_lora.lora.model import LoraConfig, apply_lora
     from megatron_lora.runtime.rng import seed_everything
     from megatron_lora.training.loop import train

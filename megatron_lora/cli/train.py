@@ -154,6 +154,10 @@ def add_arguments(p) -> None:
     lo.add_argument("--lora-use-dora", action="store_true",
                     help="DoRA (PEFT's use_dora): a trained magnitude per output row of each "
                     "adapted linear (linear_qkv, linear_proj, linear_fc1, linear_fc2 only)")
+    lo.add_argument("--lora-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="dtype of the adapter parameters, their gradients and checkpoints "
+                    "(the base model keeps its own, see --bf16); bf16 / fp16 adapters train with "
+                    "fp32 master weights in the optimizer (fp16 with a dynamic loss scale)")
     lo.add_argument("--lora-rank-pattern", nargs="+", default=[], type=_rank_pattern,
                     metavar="REGEX=R", help="rank R instead of --lora-rank for the adapters whose "
                     "global name REGEX matches (re.search), e.g. router=4 for a router with few "

@@ -155,7 +155,7 @@ class GroupedExpertLora(torch.nn.Module):
     """
 
     def __init__(self, kind, config: AdapterConfig, in_features, out_features, seeds, *,
-                 group=None, stride=1, dtype=torch.float32, device=None, expert_offset=0):
+                 group=None, stride=1, dtype=None, device=None, expert_offset=0):
         super().__init__()
         if kind not in ("linear_fc1", "linear_fc2"):
             raise ValueError(f"kind must be 'linear_fc1' or 'linear_fc2', got {kind!r}")
@@ -174,6 +174,7 @@ class GroupedExpertLora(torch.nn.Module):
                 a = _shard(a, 1, t, k)
             a_list.append(a)
             b_list.append(b)
+        dtype = dtype or config.dtype or torch.float32  # the factors' dtype (config.dtype)
         self.lora_A = torch.nn.Parameter(torch.stack(a_list).to(device=device, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.stack(b_list).to(device=device, dtype=dtype))
         sharded, replicated, dim = ((self.lora_B, self.lora_A, 1) if kind == "linear_fc1"

@@ -43,7 +43,13 @@ class LoraConfig:
         adapter's global name (e.g. "decoder.layers.3.mlp.experts.5.linear_fc1") overrides r /
         lora_alpha for it, e.g. {"experts": 8}.
     seed: seeds every adapter's initial factors together with its global name.
-    dtype: factor dtype (None: the base weight's).
+    dtype: the adapter parameters' dtype (A, B and DoRA's magnitude; train --lora-dtype): "fp32",
+        "bf16" or "fp16" (also "float32" / "bfloat16" / "float16" or a torch dtype, all stored
+        as the torch dtype), or None: the base weight's dtype. The base keeps its own dtype; the
+        adapter's matmuls run in the activation dtype (a factor of another dtype is cast to it,
+        a weight-sized cast, and its gradient cast back), its output in the base output's dtype.
+        Half adapters train with fp32 master weights in megatron's optimizer
+        (training/optimizer.py) and are checkpointed and exported in their dtype.
     use_dora: DoRA (PEFT's `use_dora`, train --lora-use-dora) on linear_qkv, linear_proj and
         the experts' / MLP's linear_fc1, linear_fc2 (lora/dora.py); other targets are refused.
     """
@@ -62,6 +68,7 @@ class LoraConfig:
     use_dora: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", lora_dtype(self.dtype))
         object.__setattr__(self, "target_modules", normalize_targets(self.target_modules))
         no_dora = [t for t in self.target_modules if t not in _DORA_TARGETS]
         if self.use_dora is True and no_dora:
@@ -111,6 +118,28 @@ class LoraConfig:
             "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
             **({"use_dora": True} if self.use_dora else {}),
         }
+
+
+# --lora-dtype names (and the names LoraConfig.to_dict() writes) -> torch dtype.
+LORA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lora_dtype(value) -> Optional[torch.dtype]:
+    """LoraConfig.dtype as a torch dtype (None stays None: the base weight's dtype); a name or
+    dtype outside fp32 / bf16 / fp16 is a ValueError naming the field and the flag."""
+    if value is None or (isinstance(value, torch.dtype) and value in LORA_DTYPES.values()):
+        return value
+    if isinstance(value, str) and value in LORA_DTYPES:
+        return LORA_DTYPES[value]
+    raise ValueError(f"LoraConfig.dtype (--lora-dtype) must be fp32, bf16 or fp16 (or None: the "
+                     f"base weight's dtype), got {value!r}")
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    """torch.bfloat16 -> "bf16" (the --lora-dtype spelling); None -> None."""
+    return None if dtype is None else {torch.float32: "fp32", torch.bfloat16: "bf16",
+                                       torch.float16: "fp16"}[dtype]
 
 
 def _unwrap(model):

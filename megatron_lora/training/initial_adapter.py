@@ -9,7 +9,8 @@ DIR is one of:
 
 Only the adapter weights are taken: the optimizer starts fresh (Adam moments zero, step 1), the
 LR schedule and the iteration count start at 0, the data from its first sample. The LoRA
-configuration (rank, alpha, targets, rsLoRA, rank and alpha patterns) is the adapter's; a
+configuration (rank, alpha, targets, rsLoRA, DoRA, dtype, rank and alpha patterns) is the adapter's
+(an adapter that records no dtype, e.g. a PEFT import, takes this run's --lora-dtype); a
 --lora-* flag given with another value is an error naming the flag (TrainSetupError), while
 --lora-dropout and --seed are this run's (no parameter behind them).
 
@@ -38,6 +39,7 @@ ADAPTER_SETTINGS = (
     ("lora_target_modules", "--lora-target-modules", "target_modules"),
     ("lora_use_rslora", "--lora-use-rslora", "use_rslora"),
     ("lora_use_dora", "--lora-use-dora", "use_dora"),
+    ("lora_dtype", "--lora-dtype", "dtype"),
     ("lora_rank_pattern", "--lora-rank-pattern", "rank_pattern"),
     ("lora_alpha_pattern", "--lora-alpha-pattern", "alpha_pattern"),
 )
@@ -76,6 +78,10 @@ def _lora_value(dest: str, value):
         return dict(value or [])
     if dest == "lora_alpha":
         return float(value)
+    if dest == "lora_dtype":
+        from megatron_lora.lora.model import lora_dtype
+
+        return lora_dtype(value or "fp32")
     return value
 
 
@@ -84,6 +90,10 @@ def _shown(dest: str, value) -> str:
         return " ".join(value)
     if dest in ("lora_rank_pattern", "lora_alpha_pattern"):
         return " ".join(f"{k}={v}" for k, v in dict(value).items()) or "(none)"
+    if dest == "lora_dtype" and not isinstance(value, str):
+        from megatron_lora.lora.model import dtype_name
+
+        return str(dtype_name(value))
     return str(value)
 
 
@@ -96,6 +106,8 @@ def flag_conflicts(args, lora, given, owner: str = "the adapter's") -> List[str]
             continue
         mine = _lora_value(dest, getattr(args, dest, None))
         theirs = getattr(lora, field)
+        if field == "dtype" and theirs is None:  # not recorded (older adapters): this run's
+            continue
         theirs = tuple(theirs) if field == "target_modules" else theirs
         same = (sorted(mine) == sorted(theirs) if field == "target_modules" else mine == theirs)
         if not same:
@@ -112,6 +124,10 @@ def set_lora_flags(args, lora) -> None:
     args.lora_target_modules = list(lora.target_modules)
     args.lora_use_rslora = bool(lora.use_rslora)
     args.lora_use_dora = bool(lora.use_dora)
+    if lora.dtype is not None:
+        from megatron_lora.lora.model import dtype_name
+
+        args.lora_dtype = dtype_name(lora.dtype)
     args.lora_rank_pattern = list(lora.rank_pattern.items())
     args.lora_alpha_pattern = list(lora.alpha_pattern.items())
 
@@ -185,4 +201,12 @@ def open_initial_adapter(args, info, resume_iteration: Optional[int]) -> Initial
             f"drop these flags (or give its values)")
     # Training-time settings with no parameter behind them are this run's.
     result.lora = dataclasses.replace(result.lora, lora_dropout=args.lora_dropout, seed=args.seed)
+    if result.lora.dtype is None and resume_iteration is None:
+        # An adapter that does not record its dtype (a PEFT import, older checkpoints): loaded
+        # into this run's --lora-dtype. A resume keeps the checkpoint's setting as it was saved.
+        from megatron_lora.lora.model import lora_dtype
+
+        result.lora = dataclasses.replace(
+            result.lora, dtype=lora_dtype(getattr(args, "lora_dtype", None) or "fp32"))
+    return result
     return result

@@ -2,6 +2,15 @@
 
 Frozen parameters (requires_grad=False) get no gradient buffer in megatron's DDP and no optimizer
 state; expert parameters (`allreduce=False`) land in DDP's expert-data-parallel buffers.
+
+Half-precision adapters (LoraConfig.dtype bf16 / fp16, train --lora-dtype): the parameters and
+their DDP gradient buffers are in that dtype (gradients are reduced in it: 2 bytes each), and
+megatron's Float16OptimizerWithFloat16Params keeps an fp32 master copy of each half parameter
+(its Adam moments fp32 too): each step copies the half gradient into the fp32 master's
+gradient, steps the master in fp32 and writes the master back rounded to the half dtype. fp16 adapters use megatron's dynamic loss scale (`config.grad_scale_func` scales the loss,
+the optimizer unscales the gradients, starting at 2**16 and halving on an overflow); an overflow
+skips the step, which the training loop reports as non-finite gradients. fp32 adapters (the
+default) keep megatron's plain fp32 optimizer and fp32 gradient buffers, unchanged.
 """
 
 from __future__ import annotations
@@ -59,6 +68,19 @@ class OptimConfig:
             raise ValueError("clip_grad and weight_decay must be >= 0")
 
 
+def trainable_precision(model_chunks) -> Tuple[bool, bool, bool]:
+    """(fp16, bf16, half): the megatron OptimizerConfig precision flags for these chunks, and
+    whether any trainable parameter is half. fp16 when the base config says so or an fp16
+    parameter is trained (a loss scale is needed), else bf16 when the base config says so or a
+    bf16 parameter is trained; megatron's Float16 optimizer then keeps fp32 masters for every
+    half parameter and steps fp32 ones directly."""
+    config = model_chunks[0].config
+    dtypes = {p.dtype for m in model_chunks for p in m.parameters() if p.requires_grad}
+    fp16 = bool(config.fp16) or torch.float16 in dtypes
+    bf16 = (bool(config.bf16) or torch.bfloat16 in dtypes) and not fp16
+    return fp16, bf16, bool(dtypes - {torch.float32})
+
+
 def wrap_for_training(
     model_chunks: List[torch.nn.Module], optim: OptimConfig
 ) -> Tuple[List[DistributedDataParallel], object, OptimizerParamScheduler]:
@@ -67,10 +89,12 @@ def wrap_for_training(
     distributed = optim.use_distributed_optimizer
     if not any(p.requires_grad for m in model_chunks for p in m.parameters()):
         raise ValueError("the model has no trainable parameters")
+    fp16, bf16, half = trainable_precision(model_chunks)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=distributed,
         overlap_grad_reduce=False,
-        grad_reduce_in_fp32=True,
+        # fp32 adapters: fp32 buffers (as before); half adapters: gradients in their own dtype.
+        grad_reduce_in_fp32=not half,
     )
     # All chunks share the TransformerConfig; its finalize function does our DP/TP/PP reductions.
     config.finalize_model_grads_func = finalize_pre_normalised_grads
@@ -84,12 +108,15 @@ def wrap_for_training(
         adam_beta2=optim.adam_beta2,
         adam_eps=optim.adam_eps,
         clip_grad=optim.clip_grad,
-        bf16=config.bf16,
-        fp16=config.fp16,
+        bf16=bf16,
+        fp16=fp16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=distributed,
+        **({"initial_loss_scale": 2.0 ** 16, "hysteresis": 1} if fp16 else {}),
     )
     optimizer = get_megatron_optimizer(opt_config, wrapped)
+    if fp16:  # megatron's schedules multiply the loss by this before backward
+        config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.lr_warmup_iters else optim.lr,

@@ -34,7 +34,7 @@ NOT_COMPARED = ("run_config",)
 METADATA_FLAGS = {
     "lora.r": "--lora-rank", "lora.lora_alpha": "--lora-alpha",
     "lora.target_modules": "--lora-target-modules", "lora.use_rslora": "--lora-use-rslora",
-    "lora.use_dora": "--lora-use-dora",
+    "lora.use_dora": "--lora-use-dora", "lora.dtype": "--lora-dtype",
     "lora.rank_pattern": "--lora-rank-pattern", "lora.alpha_pattern": "--lora-alpha-pattern",
     "lora.lora_dropout": "--lora-dropout",
     "lora.seed": "--seed",

@@ -19,6 +19,7 @@ _LORA_FLAGS = {"LoraConfig.r": "--lora-rank", "LoraConfig.lora_alpha": "--lora-a
                "LoraConfig.target_modules": "--lora-target-modules",
                "LoraConfig.rank_pattern": "--lora-rank-pattern",
                "LoraConfig.alpha_pattern": "--lora-alpha-pattern",
+               "LoraConfig.dtype (--lora-dtype)": "--lora-dtype",
                "target_modules": "--lora-target-modules"}
 
 
@@ -78,6 +79,7 @@ def _setup_checks(args, layout, world_size):
                                   target_modules=args.lora_target_modules,
                                   use_rslora=args.lora_use_rslora, seed=args.seed,
                                   use_dora=bool(getattr(args, "lora_use_dora", False)),
+                                  dtype=getattr(args, "lora_dtype", None) or "fp32",
                                   rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []),
                                   alpha_pattern=dict(getattr(args, "lora_alpha_pattern", None)
                                                      or []))

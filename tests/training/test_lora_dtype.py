@@ -1,0 +1,278 @@
+"""Half-precision adapters in training (train --lora-dtype): bf16 parameters and gradient buffers,
+fp32 master weights and Adam moments in megatron's optimizer, the same run at TP2+SP as at one rank
+(within bf16 rounding), checkpoints and PEFT exports in bf16, and an exact resume.
+
+The base model stays fp32 here (CPU); only the adapters are bf16, so every difference between the
+layouts comes from rounding the bf16 parameters and gradients."""
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.lora.model import LoraConfig, apply_lora
+from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing.reference import save_weights
+from tests.harness import multirank
+from tests.training import _support as S
+
+STEPS = 4
+# Non-zero B from the start (init_lora_weights=False): every factor has a gradient at step 1.
+# No adapter dropout in the cross-layout run (dropout > 0 is covered against plain torch in
+# tests/lora/test_lora_dtype.py and by the exact bf16 resume below).
+LORA = LoraConfig(r=4, lora_alpha=8, seed=11, dtype="bf16", init_lora_weights=False,
+                  target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+# TP2+SP against one rank, bf16 adapters on an fp32 base. The first step's gradients differ only
+# by bf16 rounding (accumulated over 4 micro-batches in the bf16 buffer, and summed over TP in
+# bf16 under SP): a single element can be several ulps off when it is tiny, so each factor's
+# gradient is compared by the relative norm of its error, <= 2**-6 (measured <= 0.45 %, for
+# linear_qkv's A). Losses: measured <= 6e-6 relative over 4 steps, checked to 1e-4. Without the
+# SP gradient sum of the replicated factors (broken=True) the error norm of those factors is
+# ~10 % and the step-4 loss is 4e-4 relative off: both checks fail.
+GRAD_NORM_RTOL = 2 ** -6
+LOSS_RTOL = 1e-4
+
+
+def check_half_adapters(adapters, optimizer, dtype=torch.bfloat16) -> int:
+    """Every adapter parameter and its DDP gradient are `dtype`; the optimizer's master copy of
+    each is fp32 and the parameter is exactly that master rounded to `dtype`, while the master
+    holds what `dtype` cannot show (it moved by less than one ulp somewhere). Returns how many
+    parameters were checked. Raises AssertionError naming what is wrong."""
+    from megatron_lora.training.checkpoint import _param_pairs
+
+    ids = {id(p) for ad in adapters.values() for p in ad.parameters() if p.requires_grad}
+    checked, finer = 0, 0
+    for inner, model_p, main_p in _param_pairs(optimizer):
+        if id(model_p) not in ids:
+            continue
+        assert model_p.dtype == dtype, f"adapter parameter in {model_p.dtype}, not {dtype}"
+        assert model_p.main_grad.dtype == dtype, f"gradient buffer in {model_p.main_grad.dtype}"
+        assert main_p is not model_p and main_p.dtype == torch.float32, (
+            f"master weight in {main_p.dtype}: not an fp32 master copy")
+        assert torch.equal(model_p, main_p.to(dtype)), "parameter != master rounded"
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert inner.state[main_p][name].dtype == torch.float32, name
+        finer += int((main_p - model_p.float()).abs().max() > 0)
+        checked += 1
+    assert checked == len(ids), f"{checked} of {len(ids)} adapter parameters in the optimizer"
+    assert finer > 0, "no master differs from its bf16 parameter: the masters are not fp32"
+    return checked
+
+
+def _global_grads(adapters) -> dict:
+    """{name.A/B: the global gradient of the factor} in its DDP buffer (fp32 copies)."""
+    from types import SimpleNamespace
+
+    from megatron_lora.lora import global_factors
+
+    out = {}
+    for name, ad in adapters.items():
+        grads = SimpleNamespace(geometry=ad.geometry, lora_A=ad.lora_A.main_grad,
+                                lora_B=ad.lora_B.main_grad)
+        a, b = global_factors(grads)
+        out[f"{name}.A.grad"], out[f"{name}.B.grad"] = a.float(), b.float()
+    return out
+
+
+def _steps(model, steps, optim, adapters=None):
+    """`steps` training steps of the loop's kind; returns (losses, optimizer, the global adapter
+    gradients of step 1 (with `adapters`))."""
+    from megatron_lora.training.optimizer import wrap_for_training
+    from megatron_lora.training.step import forward_backward
+
+    wrapped, optimizer, scheduler = wrap_for_training([model], optim)
+    torch.manual_seed(1234)  # the dropout keys come from the default generator: same draws
+    data, run = S.dataset(samples=16), S.run_config(iters=steps)
+    losses, grads = [], {}
+    for i in range(steps):
+        batch = data.batch(i * run.global_batch_size, run.global_batch_size)
+        wrapped[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = forward_backward(wrapped, batch.tokens, batch.labels, batch.loss_mask,
+                                micro_batch_size=run.micro_batch_size)
+        if i == 0 and adapters is not None:
+            grads = _global_grads(adapters)
+        ok, _, _ = optimizer.step()
+        assert ok
+        scheduler.step(increment=1)
+        losses.append(float(loss))
+    return torch.tensor(losses), optimizer, grads
+
+
+@multirank(world_size=1, timeout=300)
+def _reference(directory, layout=ParallelLayout()):
+    model = S.model(layout)
+    save_weights(model, os.path.join(directory, "weights"))
+    adapters = apply_lora(model, LORA, verbose=False)
+    losses, optimizer, grads = _steps(model, STEPS, S.optim(STEPS), adapters)
+    check_half_adapters(adapters, optimizer)
+    tensors = {k: v.float() for k, v in S.global_adapters(adapters).items()}
+    tensors.update(grads)
+    tensors["losses"] = losses
+    save_file(tensors, os.path.join(directory, "reference.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("bf16_reference"))
+    _reference(directory=directory)
+    return directory
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "no-sp-grad-sum"])
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True)], ids=["TP2+SP"])
+@multirank(world_size=2, timeout=300)
+def test_bf16_adapters_tp2_sp_match_one_rank(layout, broken, bf16_reference):
+    """broken: the replicated factors' partial gradients under SP (each rank's tokens) are not
+    summed over TP (their `sequence_parallel` mark removed): the loss check must fail."""
+    reference = load_file(os.path.join(bf16_reference, "reference.safetensors"))
+    model = S.model(layout, os.path.join(bf16_reference, "weights"))
+    adapters = apply_lora(model, LORA, verbose=False)
+    if broken:
+        for ad in adapters.values():
+            for p in ad.parameters():
+                p.sequence_parallel = False
+    losses, optimizer, grads = _steps(model, STEPS, S.optim(STEPS), adapters)
+
+    def check_grads():
+        assert grads and all(g.abs().max() > 0 for g in grads.values())
+        for name, g in grads.items():
+            want = reference[name]
+            error = float((g - want).norm() / want.norm())
+            assert error <= GRAD_NORM_RTOL, f"{name}: relative error norm {error:.2e}"
+
+    def check_losses():
+        torch.testing.assert_close(losses, reference["losses"], rtol=LOSS_RTOL, atol=0)
+
+    if broken:
+        for check in (check_grads, check_losses):
+            with pytest.raises(AssertionError):
+                check()
+        return
+    check_grads()
+    check_losses()
+    assert check_half_adapters(adapters, optimizer) > 0
+    assert losses[-1] < losses[0]  # it trains
+    for name, tensor in S.global_adapters(adapters).items():
+        assert tensor.dtype == torch.bfloat16
+        if name.endswith(".B"):
+            assert tensor.abs().max() > 0
+        # within a few bf16 ulps of the one-rank run's (a rounding flip grows over 4 steps)
+        torch.testing.assert_close(tensor.float(), reference[name], rtol=2 ** -5, atol=2e-4)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout()], ids=["TP1"])
+@multirank(world_size=1, timeout=300)
+def test_master_check_fails_with_bf16_precision_masters(layout):
+    """The master check is not vacuous: masters that hold no more than bf16 (rounded to bf16
+    after the step, as bf16 masters would be) fail it; the same optimizer passed before."""
+    from megatron_lora.training.checkpoint import _param_pairs
+
+    model = S.model(layout)
+    adapters = apply_lora(model, LORA, verbose=False)
+    _, optimizer, _ = _steps(model, 2, S.optim(2))  # step 1 is warmup at lr 0
+    assert check_half_adapters(adapters, optimizer) > 0
+    with torch.no_grad():
+        for _, model_p, main_p in _param_pairs(optimizer):
+            main_p.copy_(main_p.to(model_p.dtype).float())
+    with pytest.raises(AssertionError, match="the masters are not fp32"):
+        check_half_adapters(adapters, optimizer)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout()], ids=["TP1"])
+@multirank(world_size=1, timeout=300)
+def test_fp16_adapters_use_a_loss_scale(layout):
+    """fp16 adapters: fp16 parameters and gradients, fp32 masters, megatron's dynamic loss scale
+    multiplies the loss (so small gradients survive fp16) and is divided out before the step."""
+    model = S.model(layout)
+    adapters = apply_lora(model, LoraConfig(r=4, lora_alpha=8, seed=11, dtype="fp16",
+                                            target_modules=["linear_proj", "linear_fc2"]),
+                          verbose=False)
+    losses, optimizer, _ = _steps(model, 2, S.optim(2))
+    assert check_half_adapters(adapters, optimizer, torch.float16) > 0
+    assert float(optimizer.get_loss_scale()) == 2.0 ** 16
+    assert model.config.grad_scale_func is not None
+    assert torch.isfinite(losses).all()
+
+
+def _safetensors_dtypes(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+@multirank(world_size=1, timeout=400)
+def _train_hf(hf, root, layout=ParallelLayout()):
+    """A tiny HF Mixtral with bf16 adapters (dropout 0.1): 4 steps saved at 2 and 4 ("full"), then
+    a run resumed from the copy of iteration 2 ("resumed") to 4: the same losses and adapters bit
+    for bit."""
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.training.loop import RunConfig, train
+    from megatron_lora.training.optimizer import OptimConfig
+    from tests.export import _support as E
+
+    info, ckpt, _ = open_hf(hf)
+    lora = dataclasses.replace(LORA, lora_dropout=0.1)
+    results = {}
+    for name in ("full", "resumed"):
+        save = os.path.join(root, name)
+        if name == "resumed":
+            shutil.copytree(os.path.join(root, "full", "iter_0000002"),
+                            os.path.join(save, "iter_0000002"))
+            with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("2")
+        model = build_mixtral_model(info, mixtral_config(info, layout))
+        load_hf(model, info, ckpt)
+        adapters = apply_lora(model, lora, verbose=False)
+        run = RunConfig(micro_batch_size=1, global_batch_size=2, seq_length=16, train_iters=4,
+                        save=save, save_interval=2, log_interval=100)
+        result = train([model], E.dataset(), run, OptimConfig(lr=2e-2, train_iters=4),
+                       layout_name=layout.describe(), run_metadata={"lora": lora.to_dict()})
+        tensors = {k: v.float() for k, v in S.global_adapters(adapters).items()}
+        assert all(v.dtype == torch.bfloat16 for v in S.global_adapters(adapters).values())
+        tensors["losses"] = torch.tensor([result.losses[i] for i in (3, 4)])
+        results[name] = tensors
+    for key, value in results["full"].items():
+        assert torch.equal(value, results["resumed"][key]), key  # bit for bit
+    save_file(results["full"], os.path.join(root, "final.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    from tests.convert.tiny import make_tiny_mixtral
+
+    root = str(tmp_path_factory.mktemp("bf16_runs"))
+    make_tiny_mixtral(os.path.join(root, "hf"), seed=5)
+    _train_hf(hf=os.path.join(root, "hf"), root=root)
+    return root
+
+
+def test_bf16_checkpoint_and_peft_export_hold_bf16(hf_runs, tmp_path):
+    """The checkpoint's adapter tensors are bf16 (its masters and moments fp32), the run's
+    metadata says bf16, a resume from it was exact (_train_hf), and `export peft` writes BF16
+    tensors equal to the trained adapters."""
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+    from megatron_lora.export.to_peft import export_peft
+
+    hf = os.path.join(hf_runs, "hf")
+    info, _, _ = open_hf(hf)
+    ckpt = AdapterCheckpoint(os.path.join(hf_runs, "full"), info)
+    assert ckpt.dtype == torch.bfloat16 and ckpt.config.dtype == torch.bfloat16
+    out = str(tmp_path / "peft")
+    export_peft(os.path.join(hf_runs, "full"), out, hf_config=hf)
+    weights = os.path.join(out, "adapter_model.safetensors")
+    assert _safetensors_dtypes(weights) == {"BF16"}
+    exported = load_file(weights)
+    final = load_file(os.path.join(hf_runs, "final.safetensors"))
+    # q_proj's A is linear_qkv's A, copied bit for bit
+    a = next(v for k, v in exported.items() if "layers.0.self_attn.q_proj.lora_A" in k)
+    assert torch.equal(a.float(), final["decoder.layers.0.self_attention.linear_qkv.A"])

@@ -11,7 +11,10 @@ included). The baseline is a plain single-process loop over the same file: read 
 them, and `Tokenizer.encode_batch` their texts 1000 lines at a time (no chat template, no loss
 masks, nothing written; the Rust library may use several threads, as users run it).
 `preprocess_ratio_vs_plain_encode` = preprocess tokens/s / baseline tokens/s (the issue's target
-is >= 1.5 with 2 workers).
+is >= 1.5 with 2 workers). The library's threads use every core, so W worker processes on a
+machine of W cores cannot reach that; `preprocess_ratio_vs_single_thread_encode` compares with
+the same loop run in a process limited to one tokenizer thread (RAYON_NUM_THREADS=1,
+TOKENIZERS_PARALLELISM=false), as each preprocess worker is.
 
 Start-up memory: for each of --startup-samples N, a prefix of N synthetic samples (8-120 tokens,
 half of them with a loss-masked prompt) is written with megatron-core's builder, and a fresh
@@ -108,6 +111,16 @@ def plain_encode(path: str, tokenizer_path: str) -> tuple:
     return tokens, time.perf_counter() - start
 
 
+def single_thread_encode(path: str, tokenizer_path: str) -> tuple:
+    """plain_encode in a child process whose tokenizers library uses one thread."""
+    code = (f"import sys; sys.path.insert(0, {os.path.join(REPO, 'benchmarks')!r}); import data; "
+            f"print(*data.plain_encode({path!r}, {tokenizer_path!r}))")
+    env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
+    return int(out[-2]), float(out[-1])
+
+
 def make_prefix(prefix: str, samples: int, seed: int = 0) -> None:
     """A prefix of `samples` synthetic samples with loss masks, written with megatron's builder."""
     import numpy as np
@@ -171,6 +184,7 @@ def main() -> None:
         make_jsonl(data, args.samples)
         tokenizer = make_tokenizer(tmp)
         plain_tokens, plain_s = plain_encode(data, tokenizer)
+        single_tokens, single_s = single_thread_encode(data, tokenizer)
         start = time.perf_counter()
         stats = preprocess([data], tokenizer, os.path.join(tmp, "p"), workers=args.workers,
                            progress_interval=-1)
@@ -182,7 +196,11 @@ def main() -> None:
             plain_encode_tokens=plain_tokens, plain_encode_seconds=round(plain_s, 3),
             plain_encode_tokens_per_s=round(plain_tokens / plain_s),
             preprocess_ratio_vs_plain_encode=round((stats.tokens / seconds)
-                                                   / (plain_tokens / plain_s), 3))
+                                                   / (plain_tokens / plain_s), 3),
+            single_thread_encode_seconds=round(single_s, 3),
+            single_thread_encode_tokens_per_s=round(single_tokens / single_s),
+            preprocess_ratio_vs_single_thread_encode=round((stats.tokens / seconds)
+                                                           / (single_tokens / single_s), 3))
         if not args.skip_startup:
             startup = {}
             for n in args.startup_samples:

@@ -15,9 +15,11 @@ samples left without a target when it reads the prefix, as it does for JSONL. Me
 read `P.bin`/`P.idx` as an ordinary dataset of one-sequence documents.
 
 Writing is streaming: lines are read and tokenized in chunks of `chunk_lines`, at most
-`2 * workers` chunks in flight, so memory does not grow with the input (megatron's builder keeps
-only the per-sample lengths, 8 bytes a sample). `workers > 1` tokenizes in a process pool; chunks
-are written in input order, so the files are byte-identical for any number of workers.
+`2 * workers` chunks in flight, so memory does not grow with the input (the writer,
+data/indexed_writer.py, keeps only the per-sample lengths, 4 bytes a sample; it writes
+megatron-core's format without importing megatron-core). `workers > 1` tokenizes in a process
+pool of single-threaded workers; chunks are written in input order, so the files are
+byte-identical for any number of workers.
 
 Outputs are atomic: everything is written under temporary names (`P.bin.partial-PID`, ...) and
 renamed at the end, `P_targets.idx` and then `P.idx` last, after an existing `P.idx` has been
@@ -96,13 +98,18 @@ def _chunks(paths: Sequence[str], chunk_lines: int, stats: PreprocessStats) -> I
         yield chunk
 
 
-Encoded = Tuple[List[Tuple[np.ndarray, np.ndarray]], List[str]]  # (samples, bad-line messages)
+# (tokens int64 [T], loss masks uint8 [T], lengths int32 [n], bad-line messages)
+Encoded = Tuple[np.ndarray, np.ndarray, np.ndarray, List[str]]
 
 
 def encode_chunk(tokenizer, chunk: Chunk) -> Encoded:
-    """[(tokens int64 [n], loss mask uint8 [n])] for the good lines of `chunk`, in order, and
-    the DataError message ("file:line: ...") of each bad one."""
-    out, bad = [], []
+    """The samples of the good lines of `chunk`, in order, as flat arrays (T tokens of n
+    samples: their token ids, loss masks and lengths; one array each to pass between
+    processes), and the DataError message ("file:line: ...") of each bad line."""
+    tokens: List[int] = []
+    masks: List[int] = []
+    lengths: List[int] = []
+    bad: List[str] = []
     for where, raw in chunk:
         try:
             sample = parse_record(tokenizer, loads(decode_utf8(raw, where, DataError), where,
@@ -110,16 +117,22 @@ def encode_chunk(tokenizer, chunk: Chunk) -> Encoded:
         except DataError as exc:
             bad.append(str(exc))
             continue
-        out.append((np.asarray(sample.tokens, dtype=np.int64),
-                    np.asarray(sample.loss_mask, dtype=np.uint8)))
-    return out, bad
+        tokens += sample.tokens
+        masks += sample.loss_mask
+        lengths.append(len(sample.tokens))
+    return (np.asarray(tokens, dtype=np.int64), np.asarray(masks, dtype=np.uint8),
+            np.asarray(lengths, dtype=np.int32), bad)
 
 
 _WORKER_TOKENIZER = None
 
 
 def _worker_init(tokenizer_spec: str) -> None:
+    """One worker process, one thread: `--workers` processes use `--workers` cores (the
+    tokenizers library's thread pool would otherwise start a thread per core in each)."""
     global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
     from megatron_lora.data.tokenizers import load_tokenizer
 
     _WORKER_TOKENIZER = load_tokenizer(tokenizer_spec)
@@ -201,12 +214,6 @@ def remove_stale_partials(prefix: str) -> List[str]:
     return removed
 
 
-def _dtype_for(vocab_size: int):
-    from megatron.core.datasets.indexed_dataset import DType
-
-    return DType.optimal_dtype(vocab_size)
-
-
 def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers: int = 1,
                skip_bad_lines: bool = False, overwrite: bool = False, chunk_lines: int = 256,
                progress_interval: float = 5.0, progress_stream=None,
@@ -217,8 +224,7 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
     prefix without overwrite, no samples at all. `_before_rename` (tests) runs after the data is
     written and before anything is renamed into place.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
+    from megatron_lora.data.indexed_writer import IndexedWriter, token_dtype
     from megatron_lora.data.tokenizers import load_tokenizer
 
     if workers < 1:
@@ -241,20 +247,19 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
     temp = {suffix: f"{prefix}{suffix}.partial-{os.getpid()}" for suffix in SUFFIXES}
     tokens_out = targets_out = None
     try:
-        tokens_out = IndexedDatasetBuilder(temp[".bin"], dtype=_dtype_for(tokenizer.vocab_size))
-        targets_out = IndexedDatasetBuilder(temp[TARGETS_SUFFIX + ".bin"], dtype=np.uint8)
-        for samples, bad in _encoded(_chunks(inputs, chunk_lines, stats), tokenizer,
-                                     tokenizer_spec, workers):
+        tokens_out = IndexedWriter(temp[".bin"], token_dtype(tokenizer.vocab_size))
+        targets_out = IndexedWriter(temp[TARGETS_SUFFIX + ".bin"], np.uint8)
+        for ids, masks, lengths, bad in _encoded(_chunks(inputs, chunk_lines, stats), tokenizer,
+                                                 tokenizer_spec, workers):
             if bad and not skip_bad_lines:
                 raise PreprocessError(f"{bad[0]} (pass --skip-bad-lines to skip bad lines)")
             stats.skipped += bad
-            stats.lines += len(samples) + len(bad)
-            for ids, mask in samples:
-                tokens_out.add_document(ids, [ids.size])
-                targets_out.add_document(mask, [mask.size])
-                stats.samples += 1
-                stats.tokens += int(ids.size)
-                stats.trained_tokens += int(mask.sum())
+            stats.lines += len(lengths) + len(bad)
+            tokens_out.add(ids, lengths)
+            targets_out.add(masks, lengths)
+            stats.samples += len(lengths)
+            stats.tokens += int(ids.size)
+            stats.trained_tokens += int(np.count_nonzero(masks))
             progress.maybe(stats)
         if stats.samples == 0:
             raise PreprocessError(f"--input {' '.join(inputs)}: no samples"
@@ -276,9 +281,9 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
         for suffix in SUFFIXES:
             os.replace(temp[suffix], prefix + suffix)
     except BaseException:
-        for builder in (tokens_out, targets_out):
-            if builder is not None and not builder.data_file.closed:
-                builder.data_file.close()
+        for writer in (tokens_out, targets_out):
+            if writer is not None:
+                writer.close()
         for path in temp.values():
             if os.path.lexists(path):
                 os.unlink(path)

@@ -276,3 +276,26 @@ def test_bf16_checkpoint_and_peft_export_hold_bf16(hf_runs, tmp_path):
     # q_proj's A is linear_qkv's A, copied bit for bit
     a = next(v for k, v in exported.items() if "layers.0.self_attn.q_proj.lora_A" in k)
     assert torch.equal(a.float(), final["decoder.layers.0.self_attention.linear_qkv.A"])
+
+
+def test_resume_and_adapter_refuse_another_lora_dtype():
+    """--lora-dtype is a setting an adapter brings (like --lora-use-dora): a resume whose
+    checkpoint has another dtype, or a given --lora-dtype that differs from --adapter's, is
+    refused naming the flag; without the flag the adapter's dtype is the run's."""
+    from argparse import Namespace
+
+    from megatron_lora.training.initial_adapter import flag_conflicts, set_lora_flags
+    from megatron_lora.training.resume import ResumeMismatchError, check_metadata
+
+    bf16, fp32 = LoraConfig(dtype="bf16"), LoraConfig(dtype="fp32")
+    with pytest.raises(ResumeMismatchError, match=r"'dtype': 'bfloat16' in the checkpoint, "
+                                                  r"'float32' in this run \(--lora-dtype\)"):
+        check_metadata("runs/x", {"lora": bf16.to_dict()}, {"lora": fp32.to_dict()})
+    assert check_metadata("runs/x", {"lora": bf16.to_dict()}, {"lora": bf16.to_dict()}) == []
+    args = Namespace(lora_dtype="fp32")
+    assert flag_conflicts(args, bf16, {"lora_dtype"}) == ["--lora-dtype fp32 (the adapter's: bf16)"]
+    assert flag_conflicts(Namespace(lora_dtype="bf16"), bf16, {"lora_dtype"}) == []
+    assert flag_conflicts(args, LoraConfig(), {"lora_dtype"}) == []  # records none: the run's
+    assert flag_conflicts(args, bf16, set()) == []  # not given: the adapter's
+    set_lora_flags(args, bf16)
+    assert args.lora_dtype == "bf16"

@@ -209,4 +209,3 @@ def open_initial_adapter(args, info, resume_iteration: Optional[int]) -> Initial
         result.lora = dataclasses.replace(
             result.lora, dtype=lora_dtype(getattr(args, "lora_dtype", None) or "fp32"))
     return result
-    return result

@@ -7,8 +7,9 @@ Half-precision adapters (LoraConfig.dtype bf16 / fp16, train --lora-dtype): the 
 their DDP gradient buffers are in that dtype (gradients are reduced in it: 2 bytes each), and
 megatron's Float16OptimizerWithFloat16Params keeps an fp32 master copy of each half parameter
 (its Adam moments fp32 too): each step copies the half gradient into the fp32 master's
-gradient, steps the master in fp32 and writes the master back rounded to the half dtype. fp16 adapters use megatron's dynamic loss scale (`config.grad_scale_func` scales the loss,
-the optimizer unscales the gradients, starting at 2**16 and halving on an overflow); an overflow
+gradient, steps the master in fp32 and writes the master back rounded to the half dtype. fp16
+adapters use megatron's dynamic loss scale (`config.grad_scale_func` scales the loss, the
+optimizer unscales the gradients, starting at 2**16 and halving on an overflow); an overflow
 skips the step, which the training loop reports as non-finite gradients. fp32 adapters (the
 default) keep megatron's plain fp32 optimizer and fp32 gradient buffers, unchanged.
 """

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Tuple
 # factors come from the checkpoint) and the dropout probability (a training-time setting with no
 # parameter behind it).
 ACCEPTED_METADATA = ("lora.seed", "lora.lora_dropout")
+# Fields a checkpoint may lack (written by a version that did not record them): accepted then.
+UNRECORDED_ACCEPTED = ("lora.dtype",)
 
 # Top-level metadata entries never compared: the record of the flags of the run that wrote a
 # checkpoint (its run_config.yaml); what a resume may change is decided by the fields above.
@@ -94,9 +96,12 @@ def metadata_differences(saved: Optional[Dict], current: Optional[Dict]
         old, new = a.get(path, missing), b.get(path, missing)
         if old is not missing and new is not missing and _canonical(old) == _canonical(new):
             continue
+        # Checkpoints written before --lora-dtype record none: their adapters load into this
+        # run's dtype (the values are converted on load).
+        unrecorded = path in UNRECORDED_ACCEPTED and (old is missing or old is None)
         old = "(absent)" if old is missing else old
         new = "(absent)" if new is missing else new
-        (accepted if path in ACCEPTED_METADATA else refused).append((path, old, new))
+        (accepted if path in ACCEPTED_METADATA or unrecorded else refused).append((path, old, new))
     return refused, accepted
 
 

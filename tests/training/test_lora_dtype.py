@@ -292,6 +292,11 @@ def test_resume_and_adapter_refuse_another_lora_dtype():
                                                   r"'float32' in this run \(--lora-dtype\)"):
         check_metadata("runs/x", {"lora": bf16.to_dict()}, {"lora": fp32.to_dict()})
     assert check_metadata("runs/x", {"lora": bf16.to_dict()}, {"lora": bf16.to_dict()}) == []
+    # a checkpoint written before --lora-dtype existed records none (or None): it resumes
+    older = {k: v for k, v in fp32.to_dict().items() if k != "dtype"}
+    for saved in (older, dict(older, dtype=None)):
+        (notice,) = check_metadata("runs/x", {"lora": saved}, {"lora": bf16.to_dict()})
+        assert "accepted on resume" in notice and "--lora-dtype" in notice, notice
     args = Namespace(lora_dtype="fp32")
     assert flag_conflicts(args, bf16, {"lora_dtype"}) == ["--lora-dtype fp32 (the adapter's: bf16)"]
     assert flag_conflicts(Namespace(lora_dtype="bf16"), bf16, {"lora_dtype"}) == []

@@ -40,6 +40,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import multiprocessing as mp
+import os
+import threading
+import time
+from multiprocessing.managers import SyncManager
 from typing import Dict
 
 import torch
@@ -211,13 +215,27 @@ def _in_device_mode(fn):
     return run
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Run in the Manager's server process: exit when the process that forked it is gone. A
+    Manager server outlives a killed parent (nothing tells it), and a forked one holds the
+    parent's memory and sockets (torch.distributed's) open."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _forked_results_queue(original):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     @functools.wraps(original)
     def get(*args, **kwargs):
         if filesystem_async._results_queue is None:
-            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+            manager = SyncManager(ctx=mp.get_context("fork"))
+            manager.start(_exit_with_parent, (os.getpid(),))
+            filesystem_async._results_queue = manager.Queue()  # the proxy keeps `manager`
         return original(*args, **kwargs)  # returns the queue made above
 
     return get

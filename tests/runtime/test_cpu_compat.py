@@ -174,3 +174,37 @@ def test_checkpoint_writer_results_queue_is_forked_not_spawned(tmp_path):
     back = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))},
                                    str(tmp_path))
     torch.testing.assert_close(back["w"], w)
+
+
+ORPHAN = """
+import os, sys
+import megatron_lora
+from megatron_lora.runtime import cpu_compat
+cpu_compat.install()
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+name = "_get_write_results_queue" if hasattr(fa, "_get_write_results_queue") else "get_write_results_queue"
+queue = getattr(fa, name)()
+queue.put(1)
+print(queue._manager._process.pid, flush=True)
+os._exit(0)  # like a killed rank: no finalizer shuts the Manager down
+"""
+
+
+@CPU_ONLY
+def test_the_forked_manager_exits_when_its_process_is_gone():
+    import os
+    import time
+
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", ORPHAN], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError(f"the Manager process {pid} outlived its parent by 30 s")

@@ -32,12 +32,12 @@ import torch
 
 from megatron_lora.data.batches import Batch, PackedDataset
 from megatron_lora.data.jsonl import DataError
+from megatron_lora.data.indexed_writer import INDEX_HEADER_BYTES as _IDX_HEADER
 from megatron_lora.data.packing import inputs_labels_mask
 
 TARGETS_SUFFIX = "_targets"
 PREPROCESS_FORMAT = "megatron-lora indexed samples"
 _CHUNK_TOKENS = 1 << 18  # loss-mask bytes scanned at a time when planning
-_IDX_HEADER = 34  # bytes before the lengths in a megatron-core .idx file
 
 
 def is_prefix(path: str) -> bool:

@@ -23,6 +23,8 @@ from array import array
 import numpy as np
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
+# Bytes before the lengths of an .idx: magic, version <Q, dtype code <B, sequences <Q, documents <Q.
+INDEX_HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3,
                np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.float64): 6,
                np.dtype(np.float32): 7, np.dtype(np.uint16): 8}
@@ -76,4 +78,5 @@ class IndexedWriter:
             self.data_file.close()
 
 
-__all__ = ["DTYPE_CODES", "INDEX_HEADER", "IndexedWriter", "token_dtype"]
+__all__ = ["DTYPE_CODES", "INDEX_HEADER", "INDEX_HEADER_BYTES", "IndexedWriter",
+           "token_dtype"]

@@ -26,6 +26,7 @@ from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.identity import adapter_seed, global_layer_prefix
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
+from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA, wrap_trainable_tokens
 
 
 _DORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -52,6 +53,9 @@ class LoraConfig:
         (training/optimizer.py) and are checkpointed and exported in their dtype.
     use_dora: DoRA (PEFT's `use_dora`, train --lora-use-dora) on linear_qkv, linear_proj and
         the experts' / MLP's linear_fc1, linear_fc2 (lora/dora.py); other targets are refused.
+    trainable_token_indices: token ids whose embedding and output-layer rows are trained
+        (PEFT's `trainable_token_indices`, train --add-special-tokens; lora/trainable_tokens.py);
+        not combinable with LoRA on embedding / output_layer.
     """
 
     r: int = 8
@@ -66,9 +70,17 @@ class LoraConfig:
     seed: int = 0
     dtype: Optional[torch.dtype] = None
     use_dora: bool = False
+    trainable_token_indices: Tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", lora_dtype(self.dtype))
+        tokens = tuple(int(i) for i in (self.trainable_token_indices or ()))
+        object.__setattr__(self, "trainable_token_indices", tokens)
+        both = [t for t in ("embedding", "output_layer") if t in normalize_targets(
+            self.target_modules)]
+        if tokens and both:
+            raise ValueError(f"LoraConfig.trainable_token_indices (--add-special-tokens) cannot be "
+                             f"combined with LoRA on {both} (--lora-target-modules)")
         object.__setattr__(self, "target_modules", normalize_targets(self.target_modules))
         no_dora = [t for t in self.target_modules if t not in _DORA_TARGETS]
         if self.use_dora is True and no_dora:
@@ -117,6 +129,8 @@ class LoraConfig:
             "alpha_pattern": dict(self.alpha_pattern), "seed": self.seed,
             "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
             **({"use_dora": True} if self.use_dora else {}),
+            **({"trainable_token_indices": list(self.trainable_token_indices)}
+               if self.trainable_token_indices else {}),
         }
 
 
@@ -351,11 +365,29 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
             adapter = wrap(getattr(parent, attr), config.adapter_config(name), seed=seed_for(name))
             setattr(parent, attr, adapter)
             adapters[name] = adapter
+    if config.trainable_token_indices:
+        adapters.update(_wrap_tokens(m, config))
     trainable, total = count_parameters(m)
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
               f"trainable%: {100.0 * trainable / max(total, 1):.4f}")
     return adapters
+
+
+def _wrap_tokens(m, config: LoraConfig) -> Dict[str, torch.nn.Module]:
+    """Trainable tokens on this stage's word embedding and output layer (trainable_tokens.py)."""
+    embedding = getattr(m, "embedding", None)
+    word = getattr(embedding, "word_embeddings", None)
+    output = m.output_layer if getattr(m, "post_process", False) else None
+    emb, out = wrap_trainable_tokens(
+        word, output, config.trainable_token_indices, dtype=config.dtype,
+        tied=bool(getattr(m, "share_embeddings_and_output_weights", False)))
+    wrapped = {}
+    if emb is not None:
+        embedding.word_embeddings = wrapped["embedding"] = emb
+    if out is not None:
+        m.output_layer = wrapped["output_layer"] = out
+    return wrapped
 
 
 def _is_expert(p) -> bool:
@@ -402,7 +434,8 @@ def lora_modules(model) -> List[torch.nn.Module]:
 def get_adapter_params(model) -> Dict[str, torch.nn.Parameter]:
     """{local name: parameter} of every LoRA factor of this rank's model."""
     return {n: p for n, p in _unwrap(model).named_parameters()
-            if n.endswith("lora_A") or n.endswith("lora_B") or ".lora_" in n}
+            if n.endswith("lora_A") or n.endswith("lora_B") or ".lora_" in n
+            or n.endswith(TOKENS_DELTA)}
 
 
 def set_trainable_params(model, names) -> None:

@@ -1,0 +1,142 @@
+"""Trainable tokens (lora/trainable_tokens.py) equal a plain torch reference from the same global
+weights: embedding rows and output-layer rows of the listed ids replaced by the deltas (PEFT's
+TrainableTokensLayer), fp32, non-zero deltas different from the base rows, ids owned by both TP
+ranks: embedding output, logits, gradients of both deltas (after the TP step of
+finalize_model_grads) and of the output layer's input, at TP1, TP2 and TP2+SP, own and tied
+weights. Existing tokens' embedding rows and logits are bit-identical to the base's, the base
+weights get no gradient. Removing the output layer's [T, n] gradient all-reduce breaks the
+comparison."""
+
+import pytest
+import torch
+
+from megatron_lora.runtime import ParallelLayout
+from tests.harness import multirank
+
+V, H, SEQ, BATCH = 64, 16, 8, 2
+NEW = (30, 61, 63)  # rank 0 owns 30, rank 1 owns 61 and 63 at TP2
+
+
+def _run(tp: int, sp: bool, tied: bool):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_lora.lora.trainable_tokens import wrap_trainable_tokens
+    from tests.lora._support import finalize_tp_grads, shard
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, tensor_model_parallel_size=tp,
+        sequence_parallel=sp, use_cpu_initialization=True,
+    )
+    g = torch.Generator().manual_seed(3)
+    w_emb = torch.randn(V, H, generator=g)
+    w_out = w_emb if tied else torch.randn(V, H, generator=g)
+    ids = torch.randint(0, 60, (BATCH, SEQ), generator=g)
+    ids[0, 1], ids[1, 5], ids[0, 6], ids[1, 0] = NEW[0], NEW[1], NEW[2], NEW[1]
+    g_emb = torch.randn(SEQ, BATCH, H, generator=g)
+    h_out = torch.randn(SEQ, BATCH, H, generator=g)
+    g_logits = torch.randn(SEQ, BATCH, V, generator=g)
+    d_emb = torch.randn(len(NEW), H, generator=g)
+    d_out = d_emb if tied else torch.randn(len(NEW), H, generator=g)
+
+    emb = VocabParallelEmbedding(V, H, init_method=torch.nn.init.zeros_, config=config,
+                                 reduce_scatter_embeddings=sp)
+    out_layer = ColumnParallelLinear(H, V, config=config, init_method=torch.nn.init.zeros_,
+                                     bias=False, gather_output=False,
+                                     skip_weight_param_allocation=tied)
+    with torch.no_grad():
+        emb.weight.copy_(shard(w_emb, 0))
+        if not tied:
+            out_layer.weight.copy_(shard(w_out, 0))
+    e_ad, o_ad = wrap_trainable_tokens(emb, out_layer, NEW, tied=tied)
+    # initialised to the base rows (PEFT's init): a no-op adapter
+    init_ok = torch.equal(e_ad.trainable_tokens_delta, w_emb[list(NEW)]) and torch.equal(
+        o_ad.delta(), w_out[list(NEW)])
+    with torch.no_grad():
+        e_ad.trainable_tokens_delta.copy_(d_emb)
+        if not tied:
+            o_ad.trainable_tokens_delta.copy_(d_out)
+
+    y = e_ad(ids)  # [s/t, b, h] under SP, else [b, s, h]
+    y_base = emb(ids)
+    ge = shard(g_emb, 0) if sp else g_emb.transpose(0, 1)
+    x = (shard(h_out, 0) if sp else h_out).clone().requires_grad_(True)
+    w_arg = {"weight": emb.weight} if tied else {}
+    logits, _ = o_ad(x, **w_arg)
+    with torch.no_grad():
+        logits_base, _ = out_layer(x, **w_arg)
+    ((y * ge).sum() + (logits * shard(g_logits, 2)).sum()).backward()
+    finalize_tp_grads(e_ad, config)
+    finalize_tp_grads(o_ad, config)
+
+    # reference
+    de = d_emb.clone().requires_grad_(True)
+    do = de if tied else d_out.clone().requires_grad_(True)
+    xr = h_out.clone().requires_grad_(True)
+    index = torch.tensor(NEW)
+    ry = w_emb.index_copy(0, index, de)[ids].transpose(0, 1)  # [s, b, h]
+    rl = xr @ w_out.index_copy(0, index, do).t()
+    ((ry * g_emb).sum() + (rl * g_logits).sum()).backward()
+    want_y = shard(ry, 0) if sp else ry.transpose(0, 1)
+    checks = {
+        "embedding.output": (y, want_y),
+        "output_layer.logits": (logits, shard(rl, 2)),
+        "embedding.grad_delta": (e_ad.trainable_tokens_delta.grad, de.grad),
+        "output_layer.grad_input": (x.grad, shard(xr.grad, 0) if sp else xr.grad),
+    }
+    if not tied:
+        checks["output_layer.grad_delta"] = (o_ad.trainable_tokens_delta.grad, do.grad)
+    bad = {k: (a - b).abs().max().item() for k, (a, b) in checks.items()
+           if not (a.shape == b.shape and (a - b).abs().max().item() <= 1e-5)}
+    # existing tokens: bit-identical rows and logits, no gradient for the base weights
+    ids_local = ids.t() if sp else ids
+    if sp:
+        k, s_local = torch.distributed.get_rank(), SEQ // tp
+        ids_local = ids_local[k * s_local:(k + 1) * s_local]
+    old = ~torch.isin(ids_local, index)
+    if not torch.equal(y[old], y_base[old]):
+        bad["embedding.existing_rows"] = "changed"
+    start = out_layer.output_size_per_partition * (torch.distributed.get_rank() if tp > 1 else 0)
+    cols = [c for c in range(logits.shape[-1]) if c + start not in NEW]
+    if not torch.equal(logits[..., cols], logits_base[..., cols]):
+        bad["output_layer.existing_logits"] = "changed"
+    if emb.weight.grad is not None or (not tied and out_layer.weight.grad is not None):
+        bad["base.grad"] = "present"
+    if not init_ok:
+        bad["init"] = "not the base rows"
+    return bad
+
+
+@multirank(world_size=1, timeout=400)
+def test_trainable_tokens_match_reference_tp1(layout=ParallelLayout(tp=1)):
+    report = {f"tied={t}": b for t in (False, True) if (b := _run(1, False, t))}
+    assert not report, report
+
+
+@multirank(world_size=2, timeout=400)
+def test_trainable_tokens_match_reference_tp2_and_sp(layout=ParallelLayout(tp=2)):
+    from megatron_lora.lora import collectives as C
+    from tests.lora._support import patched
+
+    report = {}
+    for sp in (False, True):
+        for tied in (False, True):
+            bad = _run(2, sp, tied)
+            if bad:
+                report[f"sp={sp}/tied={tied}"] = bad
+    # the [T, n] gradient all-reduce of the output layer's new-token logits matters
+    with patched(C._GradAllReduce, "backward", lambda ctx, grad: (grad, None)):
+        broken = _run(2, False, False)
+    if "output_layer.grad_input" not in broken or "output_layer.grad_delta" not in broken:
+        report["no gradient all-reduce"] = f"went unnoticed: {broken}"
+    assert not report, report
+
+
+def test_token_ids_outside_the_padded_vocabulary_are_refused():
+    from megatron_lora.lora.trainable_tokens import check_token_ids
+
+    assert check_token_ids([3, 1], 4) == (3, 1)
+    with pytest.raises(ValueError, match="--add-special-tokens"):
+        check_token_ids([4], 4)
+    with pytest.raises(ValueError, match="repeated"):
+        check_token_ids([1, 1], 4)

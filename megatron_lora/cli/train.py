@@ -158,6 +158,13 @@ def add_arguments(p) -> None:
                     help="dtype of the adapter parameters, their gradients and checkpoints "
                     "(the base model keeps its own, see --bf16); bf16 / fp16 adapters train with "
                     "fp32 master weights in the optimizer (fp16 with a dynamic loss scale)")
+    tokens = lo.add_argument(
+        "--add-special-tokens", nargs="+", default=[], metavar="TOKEN",
+        help="new special tokens (e.g. '<|im_start|>' '<|im_end|>') added to --tokenizer (the "
+        "extended tokenizer is saved in --save/tokenizer); their embedding and output-layer rows "
+        "(free rows of the padded vocabulary) are trained with the adapters and exported as "
+        "PEFT's trainable_token_indices. Not with LoRA on embedding / output_layer")
+    tokens.scalar_is_one_value = True  # a --config file may give one token as a string
     lo.add_argument("--lora-rank-pattern", nargs="+", default=[], type=_rank_pattern,
                     metavar="REGEX=R", help="rank R instead of --lora-rank for the adapters whose "
                     "global name REGEX matches (re.search), e.g. router=4 for a router with few "

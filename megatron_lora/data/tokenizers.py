@@ -47,6 +47,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
 
+    def add_special_tokens(self, tokens: List[str], flag: str = "--add-special-tokens"):
+        raise TokenizerError(f"{flag} needs an HF tokenizer (--tokenizer FOLDER or "
+                             f"tokenizer.json); the byte tokenizer has a fixed vocabulary")
+
     def decode(self, ids: List[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -132,6 +136,63 @@ class HFTokenizer:
     def encode(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def add_special_tokens(self, tokens: List[str], flag: str = "--add-special-tokens") -> List[int]:
+        """Add `tokens` as new special tokens (matched in text as single tokens, ids vocab_size,
+        vocab_size + 1, ... in order); returns their ids. A token the vocabulary already has (or
+        a repeated one) is a TokenizerError naming it and `flag`. `save()` writes the result."""
+        from tokenizers import AddedToken
+
+        tokens = list(tokens)
+        for t in tokens:
+            if not isinstance(t, str) or not t:
+                raise TokenizerError(f"{flag}: {t!r} is not a token (a non-empty string)")
+            if self._tok.token_to_id(t) is not None:
+                raise TokenizerError(f"{flag} {t!r}: the tokenizer {self.name} already has this "
+                                     f"token (id {self._tok.token_to_id(t)}); list only new tokens")
+        if len(set(tokens)) != len(tokens):
+            raise TokenizerError(f"{flag}: tokens repeated in {tokens}")
+        first = self.vocab_size
+        self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t in tokens])
+        ids = [self._tok.token_to_id(t) for t in tokens]
+        if ids != list(range(first, first + len(tokens))):  # holes in the vocabulary
+            raise TokenizerError(f"{flag}: {tokens} got ids {ids}, not the next ones after the "
+                                 f"tokenizer's {first} tokens ({self.name})")
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.added = list(getattr(self, "added", [])) + tokens
+        return ids
+
+    def save(self, folder: str) -> str:
+        """Write this tokenizer, with the tokens add_special_tokens() added, as an HF tokenizer
+        folder (tokenizer.json as read plus those tokens, tokenizer_config.json declaring them,
+        the chat template files copied); transformers' AutoTokenizer loads it. Returns folder."""
+        import json
+        import shutil
+
+        from tokenizers import AddedToken, Tokenizer
+
+        os.makedirs(folder, exist_ok=True)
+        source = os.path.dirname(os.path.abspath(self.name))
+        added = list(getattr(self, "added", []))
+        tok = Tokenizer.from_file(self.name)  # as saved: the in-memory pipeline may be rebuilt
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
+        tok.save(os.path.join(folder, "tokenizer.json"))
+        config = _read_config(os.path.join(source, "tokenizer_config.json"))
+        if config is not None:
+            if isinstance(config.get("added_tokens_decoder"), dict):
+                for t in added:
+                    config["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+                        "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                        "single_word": False, "special": True}
+            extra = [x for x in config.get("additional_special_tokens") or [] if x not in added]
+            config["additional_special_tokens"] = extra + added
+            with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+                json.dump(config, f, indent=2, ensure_ascii=False)
+        for name in ("special_tokens_map.json", "chat_template.jinja", "chat_template.json"):
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+        return folder
+
     def encode_with_special_tokens(self, text: str) -> List[int]:
         """transformers' tokenizer(text).input_ids: tokenizer.json's post-processor places the
         special tokens (Mixtral's: <s> first)."""
@@ -184,6 +245,29 @@ def _special_tokens(folder: str, config: dict) -> Dict[str, str]:
                     tokens[name] = token
                 break
     return tokens
+
+
+def load_training_tokenizer(spec: str, new_tokens: List[str], model_vocab: int,
+                            padded_vocab: int, flag: str = "--add-special-tokens"):
+    """(tokenizer, ids of new_tokens) for training: `--tokenizer spec` extended with new_tokens
+    (HFTokenizer.add_special_tokens). The tokenizer's own vocabulary must fit the model's
+    (model_vocab rows); the new ids must fall in the model's padded vocabulary (padded_vocab
+    rows, megatron's padding to a multiple): a grown vocabulary is not supported, that is a
+    TokenizerError naming `flag`."""
+    tokenizer = load_tokenizer(spec)
+    if tokenizer.vocab_size > model_vocab:
+        raise TokenizerError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                             f"model's vocab_size {model_vocab}")
+    if not new_tokens:
+        return tokenizer, []
+    free = padded_vocab - tokenizer.vocab_size
+    if len(new_tokens) > free:
+        raise TokenizerError(
+            f"{flag}: {len(new_tokens)} new tokens do not fit: the tokenizer has "
+            f"{tokenizer.vocab_size} tokens and the model's padded vocabulary {padded_vocab} rows "
+            f"(vocab_size {model_vocab} padded to a multiple of 128), so {max(free, 0)} rows are "
+            f"free; growing the vocabulary is not supported")
+    return tokenizer, tokenizer.add_special_tokens(list(new_tokens), flag)
 
 
 def load_tokenizer(spec: str):

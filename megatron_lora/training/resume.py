@@ -39,7 +39,7 @@ METADATA_FLAGS = {
     "lora.use_dora": "--lora-use-dora", "lora.dtype": "--lora-dtype",
     "lora.rank_pattern": "--lora-rank-pattern", "lora.alpha_pattern": "--lora-alpha-pattern",
     "lora.lora_dropout": "--lora-dropout",
-    "lora.seed": "--seed",
+    "lora.seed": "--seed", "lora.trainable_token_indices": "--add-special-tokens",
     "vocab_size": "--load/--load-hf", "hidden_size": "--load/--load-hf",
     "num_layers": "--load/--load-hf", "num_experts": "--load/--load-hf",
 }

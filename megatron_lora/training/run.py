@@ -65,6 +65,7 @@ def _setup_checks(args, layout, world_size):
             from megatron_lora.training.checkpoint import read_tracker
 
             resume_at = read_tracker(args.save)
+        token_ids = tuple(_tokenizer(args, info)[1])  # --add-special-tokens
         if getattr(args, "adapter", None):
             from megatron_lora.training.initial_adapter import (open_initial_adapter,
                                                                 set_lora_flags)
@@ -72,6 +73,12 @@ def _setup_checks(args, layout, world_size):
             initial = open_initial_adapter(args, info, resume_at)
             lora = initial.lora
             set_lora_flags(args, lora)
+            if tuple(lora.trainable_token_indices) != token_ids:
+                raise TrainSetupError(
+                    f"--adapter {args.adapter} trains the token ids "
+                    f"{list(lora.trainable_token_indices)}, but --add-special-tokens with "
+                    f"--tokenizer gives {list(token_ids)}; pass the adapter's tokenizer folder "
+                    f"and the same --add-special-tokens")
         else:
             try:
                 lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -82,7 +89,8 @@ def _setup_checks(args, layout, world_size):
                                   dtype=getattr(args, "lora_dtype", None) or "fp32",
                                   rank_pattern=dict(getattr(args, "lora_rank_pattern", None) or []),
                                   alpha_pattern=dict(getattr(args, "lora_alpha_pattern", None)
-                                                     or []))
+                                                     or []),
+                                  trainable_token_indices=token_ids)
             except ValueError as exc:  # the config names its fields; the user typed flags
                 raise TrainSetupError(_as_flags(str(exc))) from None
         run = RunConfig(micro_batch_size=args.micro_batch_size,
@@ -195,10 +203,7 @@ def _datasets(args, info, run):
     from megatron_lora.data import DataError, load_tokenizer
     from megatron_lora.data.sources import open_data
 
-    tokenizer = load_tokenizer(args.tokenizer)
-    if tokenizer.vocab_size > info.vocab_size:
-        raise TrainSetupError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
-                              f"model's vocab_size {info.vocab_size}")
+    tokenizer = _tokenizer(args, info)[0]
     split = None
     if getattr(args, "split", None):
         from megatron_lora.data.sources import parse_split
@@ -239,6 +244,17 @@ def _datasets(args, info, run):
         stats.update(valid_samples=valid.samples, valid_truncated=valid.truncated,
                      held_out=len(evaluation))
     return train, evaluation, stats
+
+
+def _tokenizer(args, info):
+    """(--tokenizer with --add-special-tokens added, the new tokens' ids); TrainSetupError."""
+    from megatron_lora.data.tokenizers import TokenizerError, load_training_tokenizer
+
+    try:
+        return load_training_tokenizer(args.tokenizer, getattr(args, "add_special_tokens", None)
+                                       or [], info.vocab_size, info.shape.vocab_size)
+    except TokenizerError as exc:
+        raise TrainSetupError(str(exc)) from None
 
 
 def resolved_config(args) -> dict:
@@ -313,6 +329,10 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
                 f"--seq-length+1 tokens) packed into {stats['sequences']} sequences of "
                 f"{run.seq_length} ({held})")
     apply_lora(model, lora)
+    if lora.trainable_token_indices and args.save and rank0:  # the tokenizer beside the adapter
+        saved = _tokenizer(args, info)[0].save(os.path.join(args.save, "tokenizer"))
+        _say(rank0, f"tokenizer with --add-special-tokens {' '.join(args.add_special_tokens)} "
+                    f"(ids {list(lora.trainable_token_indices)}): {saved}")
     if initial is not None:
         for note in initial.notes:
             _say(rank0, f"notice: {note}")

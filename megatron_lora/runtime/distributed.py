@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lora.runtime import cpu_compat, watchdog
+from megatron_lora.runtime import cpu_compat, gloo_device, watchdog
 from megatron_lora.runtime.layout import ParallelLayout
 
 _CURRENT: Optional[ParallelLayout] = None
@@ -54,6 +54,8 @@ def init_process_group(
     if dist.is_initialized():
         return
     backend = backend or default_backend()
+    if backend == "gloo":
+        gloo_device.install()  # before the first group: the world group shares the device too
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -34,6 +34,10 @@ from megatron_lora.models.mixtral import MixtralInfo
 from megatron_lora.runtime.safe_load import CheckpointFileError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Trainable tokens (LoraConfig.trainable_token_indices): [n, h] rows of the word embedding and of
+# the output layer (lora/trainable_tokens.py), by checkpoint key.
+TOKEN_KEYS = {"embedding": "embedding.word_embeddings.trainable_tokens_delta",
+              "output_layer": "output_layer.trainable_tokens_delta"}
 
 
 def lora_config_from_dict(d: dict, source: str = "run metadata") -> LoraConfig:
@@ -95,6 +99,19 @@ class AdapterCheckpoint:
         known = {k.a_key: k for k in KINDS} | {k.b_key: k for k in KINDS}
         if self.config.use_dora:  # DoRA magnitudes, one per factor pair
             known |= {k.m_key: k for k in KINDS}
+        tokens = self.config.trainable_token_indices
+        if tokens:
+            known |= {key: None for key in TOKEN_KEYS.values()}
+            want = (len(tokens), self.info.shape.hidden_size)
+            for key in TOKEN_KEYS.values():
+                if key not in keys:
+                    raise ConversionError(f"{self.directory}: the LoRA config has "
+                                          f"trainable_token_indices (--add-special-tokens) but "
+                                          f"tensor {key} is missing")
+                if tuple(self.ckpt.shape(key)) != want:
+                    raise ConversionError(f"{self.directory}: tensor {key} has shape "
+                                          f"{list(self.ckpt.shape(key))}, the config implies "
+                                          f"{list(want)}")
         unknown = sorted(keys - set(known))
         if unknown:
             raise ConversionError(f"{self.directory}: tensors that are not Mixtral LoRA factors "
@@ -129,6 +146,13 @@ class AdapterCheckpoint:
         if not ranks:
             raise ConversionError(f"{self.directory}: no LoRA factors in the checkpoint")
         return ranks
+
+    def token_rows(self, which: str) -> torch.Tensor:
+        """The trained rows [n, h] of `which` ("embedding" or "output_layer") for the ids
+        config.trainable_token_indices, in the checkpoint dtype."""
+        key = TOKEN_KEYS[which]
+        shape = tuple(self.ckpt.shape(key))
+        return self.ckpt.read(key, (0,) * len(shape), shape)
 
     def factors(self, site) -> Tuple[torch.Tensor, torch.Tensor]:
         """(A [r, in], B [out, r]) of one adapter, in the checkpoint dtype (embedding: A [r, Vp],

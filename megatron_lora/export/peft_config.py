@@ -189,8 +189,10 @@ def inference_dropout(lora_dropout: float, target_modules: List[str]) -> Tuple[f
 def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_modules: List[str],
                         rank_pattern: Dict[str, int], alpha_pattern: Dict[str, float],
                         lora_dropout: float = 0.0, base_model: Optional[str] = None,
-                        use_dora: bool = False) -> dict:
-    """A complete PEFT LoRA adapter_config.json for a per-expert Mixtral adapter."""
+                        use_dora: bool = False, trainable_token_indices=None) -> dict:
+    """A complete PEFT LoRA adapter_config.json for a per-expert Mixtral adapter.
+
+    trainable_token_indices: PEFT's {module name: [token ids]} (embed_tokens, lm_head), or None."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -211,6 +213,8 @@ def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_m
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
+        "trainable_token_indices": (None if not trainable_token_indices else
+                                    {k: list(v) for k, v in trainable_token_indices.items()}),
         "layers_to_transform": None,
         "layers_pattern": None,
     }

@@ -16,6 +16,11 @@ parameters, refuses dropout; dropout does not act at inference): `notes` says so
 DoRA adapters (use_dora) on attention get PEFT's `lora_magnitude_vector` per module (the
 magnitude's rows split like B's) and `use_dora: true`; PEFT has no DoRA for Mixtral's experts,
 so an expert DoRA adapter is refused with a pointer to the merged export (`export hf --merge`).
+Trainable tokens (train --add-special-tokens) become PEFT's `trainable_token_indices`
+({"embed_tokens": ids, "lm_head": ids}) with the rows as `...embed_tokens.token_adapter.
+trainable_tokens_delta` / `lm_head.token_adapter.trainable_tokens_delta`, and the run's extended
+tokenizer (`--save/tokenizer`) is copied into the export folder; transformers + PEFT load it after
+`model.resize_token_embeddings(len(tokenizer))` when the ids are past the model's vocab_size.
 """
 
 from __future__ import annotations
@@ -118,6 +123,10 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                     entries += [(a_key, a_shape, ckpt.dtype), (b_key, b_shape, ckpt.dtype)]
                     if dora:
                         entries.append((peft_magnitude_key(module), (rows,), ckpt.dtype))
+    tokens = list(ckpt.config.trainable_token_indices)
+    for key in TOKEN_TENSORS.values():
+        if tokens:
+            entries.append((key, (len(tokens), info.shape.hidden_size), ckpt.dtype))
     default = _default(values)
     rank_p, alpha_p = _patterns(values, default)
     shorts = sorted({short_name(m) for m in values}, key=_ORDER.index)
@@ -127,7 +136,8 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     config = adapter_config_dict(
         r=default[0], lora_alpha=default[1], use_rslora=ckpt.config.use_rslora,
         target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
-        lora_dropout=dropout, base_model=base_model, use_dora=dora)
+        lora_dropout=dropout, base_model=base_model, use_dora=dora,
+        trainable_token_indices={m: tokens for m in TOKEN_MODULES} if tokens else None)
     with atomic_directory(save, overwrite) as tmp:
         with StreamingSafetensorsWriter(os.path.join(tmp, WEIGHTS_NAME), entries) as w:
             for site in plan:
@@ -152,6 +162,37 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                             w.write(peft_magnitude_key(module), m_parts[module].reshape(-1)
                                     .contiguous())
                 del a, b
+            if tokens:
+                for which, key in TOKEN_TENSORS.items():
+                    w.write(key, ckpt.token_rows(which).contiguous())
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
+        if tokens:
+            _copy_tokenizer(ckpt.directory, tmp, notes)
     return config
+
+
+# Our trainable-token tensors -> PEFT's module names and safetensors keys.
+TOKEN_MODULES = ("embed_tokens", "lm_head")
+TOKEN_TENSORS = {
+    "embedding": "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta",
+    "output_layer": "base_model.model.lm_head.token_adapter.trainable_tokens_delta",
+}
+
+
+def _copy_tokenizer(directory: str, out: str, notes: Optional[List[str]]) -> None:
+    """The extended tokenizer train --add-special-tokens saved (RUN/tokenizer, beside the
+    iteration folders) into the export folder, so the new tokens' ids come with the adapter."""
+    import shutil
+
+    run = os.path.dirname(os.path.abspath(directory))
+    source = next((d for d in (os.path.join(directory, "tokenizer"), os.path.join(run, "tokenizer"))
+                   if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
+    if source is None:
+        if notes is not None:
+            notes.append(f"no extended tokenizer found beside {directory} (RUN/tokenizer, written "
+                         f"by train --add-special-tokens with --save): add the new tokens to the "
+                         f"tokenizer yourself, in the same order")
+        return
+    for name in os.listdir(source):
+        shutil.copyfile(os.path.join(source, name), os.path.join(out, name))

@@ -1,0 +1,109 @@
+"""Trainable tokens end to end, judged by transformers + PEFT: `megatron-lora train
+--add-special-tokens "<|im_start|>" "<|im_end|>"` (one rank, LoRA on attention) on chat text that
+uses them (the tiny Mixtral's vocabulary of 250 is padded to 256, so the new ids 250 and 251 are
+padded rows), then the adapter reloaded at TP2+SP (another layout) gives logits over 252 columns
+that transformers + PEFT reproduce (max abs diff <= 1e-4) from `export peft`: the extended
+tokenizer in the export folder, `resize_token_embeddings(len(tokenizer))`, PeftModel with
+`trainable_token_indices`. The new rows moved off their initial (zero, padded) values, and the
+adapter changes the logits."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.runtime import ParallelLayout
+from tests.export import _support as S
+from tests.harness import multirank
+
+NEW = ["<|im_start|>", "<|im_end|>"]
+TOL = 1e-4
+
+
+def _chat(path: str) -> str:
+    rnd = random.Random(0)
+    words = "hello there how are you the sky is blue fine thank".split()
+    with open(path, "w") as f:
+        for _ in range(16):
+            user = " ".join(rnd.choice(words) for _ in range(4))
+            reply = " ".join(rnd.choice(words) for _ in range(3))
+            text = f"<|im_start|>user {user}<|im_end|><|im_start|>assistant {reply}<|im_end|>"
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+@multirank(world_size=2, timeout=600)
+def _our_logits(hf, run, tokens, out, layout=ParallelLayout(tp=2, sp=True)):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.export.adapter_ckpt import lora_config_from_dict
+    from megatron_lora.lora.model import apply_lora
+    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.testing.parity import assert_held_by
+    from megatron_lora.training.checkpoint import load_adapter_weights, read_run_metadata
+
+    info, ckpt, _ = open_hf(hf)
+    model = build_mixtral_model(info, mixtral_config(info, layout))
+    load_hf(model, info, ckpt)
+    lora = lora_config_from_dict(read_run_metadata(run)["run_metadata"]["lora"])
+    apply_lora(model, lora, verbose=False)
+    load_adapter_weights([model], run)
+    vocab = max(lora.trainable_token_indices) + 1
+    logits = forward_logits(model, torch.tensor(json.load(open(tokens))), vocab)
+    if assert_held_by(logits, 1, "the logits"):
+        save_file({"logits": logits.contiguous()}, out)
+
+
+@pytest.fixture(scope="module")
+def tokens_run(tiny, tmp_path_factory):
+    from tests.data.tiny_tokenizers import mistral_folder
+
+    root = tmp_path_factory.mktemp("tokens")
+    tok = mistral_folder(str(root / "tok"), vocab_size=250)
+    run = str(root / "run")
+    proc = S.cli("train", "--load-hf", tiny["hf"], "--tokenizer", tok, "--data-path",
+                 _chat(str(root / "chat.jsonl")), "--seq-length", "32", "--global-batch-size",
+                 "2", "--train-iters", "3", "--lr", "2e-2", "--lora-rank", "4", "--lora-alpha",
+                 "8", "--lora-target-modules", "linear_qkv", "linear_proj",
+                 "--add-special-tokens", *NEW, "--save", run, "--log-interval", "10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 250, (2, 12), generator=g)
+    ids[0, 2], ids[0, 7], ids[1, 0], ids[1, 9] = 250, 251, 250, 251
+    tokens = S.write_tokens(str(root / "tokens.json"), ids)
+    out = str(root / "ours.safetensors")
+    _our_logits(hf=tiny["hf"], run=run, tokens=tokens, out=out)
+    return dict(tiny, run=run, tok=tok, ids=ids, ours=out, root=str(root))
+
+
+def test_trainable_tokens_export_matches_transformers_peft(tokens_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from megatron_lora.export.to_peft import export_peft
+
+    out = str(tmp_path / "peft")
+    config = export_peft(tokens_run["run"], out, hf_config=tokens_run["hf"])
+    assert config["trainable_token_indices"] == {"embed_tokens": [250, 251],
+                                                 "lm_head": [250, 251]}
+    with safe_open(os.path.join(out, "adapter_model.safetensors"), "pt") as f:
+        rows = {k: f.get_tensor(k) for k in f.keys() if "trainable_tokens_delta" in k}
+    assert len(rows) == 2 and all(r.shape == (2, 64) and r.abs().min() > 0 for r in rows.values())
+    tokenizer = AutoTokenizer.from_pretrained(out)  # the extended tokenizer came with it
+    assert len(tokenizer) == 252 and tokenizer.convert_tokens_to_ids(NEW) == [250, 251]
+
+    ours = load_file(tokens_run["ours"])["logits"]
+    assert ours.shape == (2, 12, 252)
+    base = S.hf_model(tokens_run["hf"])
+    base.resize_token_embeddings(len(tokenizer))
+    with torch.no_grad():
+        plain = base(tokens_run["ids"].clamp(max=249)).logits.float()[..., :250]
+        model = PeftModel.from_pretrained(base, out).eval()
+        peft = model(tokens_run["ids"]).logits.float()
+    assert (peft - ours).abs().max().item() <= TOL
+    assert (plain - ours[..., :250]).abs().max().item() > 100 * TOL  # the adapter acts

@@ -100,12 +100,12 @@ def _run(args) -> int:
         records = read_prompts(args.prompts)
         prompts = [prompt_ids(tokenizer, r, f"{args.prompts}:{i + 1}")
                    for i, r in enumerate(records)]
-        _check_prompts(prompts, args, info, tokenizer)
         lora = None
         if args.adapter:
             from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
             lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
+        _check_prompts(prompts, args, info, tokenizer, lora)
         from megatron_lora.convert.outputs import check_output
 
         check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
@@ -118,16 +118,18 @@ def _run(args) -> int:
                          sampling)
 
 
-def _check_prompts(prompts, args, info, tokenizer) -> None:
+def _check_prompts(prompts, args, info, tokenizer, lora=None) -> None:
     from megatron_lora.inference.prompts import PromptError
+    from megatron_lora.lora.trainable_tokens import served_vocab
 
     limit = info.shape.max_position_embeddings
+    vocab = served_vocab(info.vocab_size, lora)  # + the adapter's trained new tokens
     for i, ids in enumerate(prompts):
         where = f"{args.prompts}:{i + 1}"
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise PromptError(f"{where}: token id {bad} from --tokenizer {tokenizer.name} must "
-                              f"satisfy 0 <= id < {info.vocab_size} (the model's vocabulary): "
+                              f"satisfy 0 <= id < {vocab} (the model's vocabulary): "
                               f"is it the model's tokenizer?")
         if len(ids) + args.max_new_tokens > limit:
             raise PromptError(f"{where}: {len(ids)} prompt tokens + --max-new-tokens "
@@ -144,6 +146,7 @@ def _generate_all(args, layout, info, hf, dtype, lora, tokenizer, records, promp
     from megatron_lora.cli.common import torchrun_env_defaults
     from megatron_lora.cli.model_setup import build_model
     from megatron_lora.inference import generate
+    from megatron_lora.lora.trainable_tokens import served_vocab
 
     torchrun_env_defaults(29519)
     runtime.init_process_group()
@@ -157,8 +160,8 @@ def _generate_all(args, layout, info, hf, dtype, lora, tokenizer, records, promp
     generator = torch.Generator().manual_seed(sampling.seed)
     results, new_tokens, start = [], 0, time.perf_counter()
     for record, ids in zip(records, prompts):
-        out = generate(model, ids, sampling, eos_id=tokenizer.eos_id, vocab_size=info.vocab_size,
-                       generator=generator)
+        out = generate(model, ids, sampling, eos_id=tokenizer.eos_id,
+                       vocab_size=served_vocab(info.vocab_size, lora), generator=generator)
         new_tokens += len(out)
         results.append(dict(record, completion=tokenizer.decode(out), token_ids=out))
     seconds = time.perf_counter() - start

@@ -112,13 +112,15 @@ def _run(args) -> int:
 
         info, hf = open_model_source(args, layout, world_size,
                                      torch.bfloat16 if args.bf16 else torch.float32)
-        tokens = read_tokens(args.tokens, info.vocab_size)
-        _check_batch(tokens, layout, world_size, args.micro_batch_size, info)
         lora = None
         if args.adapter:
             from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
             lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
+        from megatron_lora.lora.trainable_tokens import served_vocab
+
+        tokens = read_tokens(args.tokens, served_vocab(info.vocab_size, lora))  # + new tokens
+        _check_batch(tokens, layout, world_size, args.micro_batch_size, info)
         from megatron_lora.convert.outputs import check_output
 
         check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
@@ -149,7 +151,9 @@ def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
                         lora=lora, attention_backend=getattr(args, "attention_backend", None),
                         moe_grouped_gemm=getattr(args, "moe_grouped_gemm", None),
                         dispatcher=args.moe_token_dispatcher_type)
-    logits = forward_logits(model, tokens.to(runtime.device()), info.vocab_size,
+    from megatron_lora.lora.trainable_tokens import served_vocab
+
+    logits = forward_logits(model, tokens.to(runtime.device()), served_vocab(info.vocab_size, lora),
                             micro_batch_size=args.micro_batch_size)
     if logits is not None:
         from megatron_lora.convert.atomic import atomic_file

@@ -68,6 +68,12 @@ def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = Non
                        inputs={"--load": load, "--adapter": adapter, "--hf-config": hf_config})
     info = read_mcore_info(load, hf_config)
     merger = _Merger(AdapterCheckpoint(adapter, info), info)
+    if merger.adapter.config.trainable_token_indices:
+        raise ConversionError(
+            f"{adapter}: the adapter trains new tokens (--add-special-tokens, ids "
+            f"{list(merger.adapter.config.trainable_token_indices)}); the merged export does not "
+            f"write them (it keeps the base vocabulary). Export it with `export peft` (PEFT's "
+            f"trainable_token_indices) instead")
     if info.shape.tie_embeddings and {"embedding", "output_layer"} & set(merger.adapter.ranks):
         raise ConversionError(f"{adapter}: an embedding or output-layer adapter cannot be merged "
                               f"into a model with tied embeddings")

@@ -70,6 +70,13 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "vocabulary
     return ids
 
 
+def served_vocab(vocab_size: int, lora=None) -> int:
+    """The vocabulary a model with adapter config `lora` serves: the model's vocab_size, grown
+    to the trainable tokens' ids (they may lie in megatron's padded rows past vocab_size)."""
+    ids = tuple(getattr(lora, "trainable_token_indices", None) or ())
+    return max([vocab_size] + [i + 1 for i in ids])
+
+
 def _rows_of(weight_shard, ids, start, end, group):
     """The global rows ids of a vocabulary-sharded weight ([V/t, h] per rank), [n, h] on every
     rank: each id's row comes from its owner, others add exact zeros (one [n, h] all-reduce)."""
@@ -251,4 +258,4 @@ def wrap_trainable_tokens(embedding, output_layer, token_ids, *, tied: bool, dty
 
 
 __all__ = ["DELTA", "TrainableTokensEmbedding", "TrainableTokensOutput", "check_token_ids",
-           "wrap_trainable_tokens"]
+           "served_vocab", "wrap_trainable_tokens"]

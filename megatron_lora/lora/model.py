@@ -26,7 +26,8 @@ from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.identity import adapter_seed, global_layer_prefix
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
-from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA, wrap_trainable_tokens
+from megatron_lora.lora.trainable_tokens import (DELTA as TOKENS_DELTA, check_token_ids,
+                                                 wrap_trainable_tokens)
 
 
 _DORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -295,6 +296,7 @@ def validate_for_model(model, config: LoraConfig) -> None:
                 )
                 break
     problems += config_problems(config, tconf, m.vocab_size)
+    problems += _token_problems(m, config)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -372,6 +374,24 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
         print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
               f"trainable%: {100.0 * trainable / max(total, 1):.4f}")
     return adapters
+
+
+def _token_problems(m, config: LoraConfig) -> List[str]:
+    """Trainable-token problems every rank finds alike (stages without an embedding too)."""
+    from megatron.core import parallel_state
+
+    ids = config.trainable_token_indices
+    if not ids:
+        return []
+    try:
+        check_token_ids(ids, m.vocab_size, "padded vocabulary")
+    except ValueError as exc:
+        return [str(exc)]
+    if (getattr(m, "share_embeddings_and_output_weights", False)
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        return ["trainable tokens (--add-special-tokens) with tied embeddings need the embedding "
+                "and the output layer on one pipeline stage: use PP=1 or untied embeddings"]
+    return []
 
 
 def _wrap_tokens(m, config: LoraConfig) -> Dict[str, torch.nn.Module]:

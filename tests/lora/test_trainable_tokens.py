@@ -5,7 +5,9 @@ ranks: embedding output, logits, gradients of both deltas (after the TP step of
 finalize_model_grads) and of the output layer's input, at TP1, TP2 and TP2+SP, own and tied
 weights. Existing tokens' embedding rows and logits are bit-identical to the base's, the base
 weights get no gradient. Removing the output layer's [T, n] gradient all-reduce breaks the
-comparison."""
+comparison. In a tiny tied GPT at TP2+SP (apply_lora): one shared [n, h] tensor, logits equal the
+plain model's with the rows written into its weight; tied embeddings over two pipeline stages
+and ids past the padded vocabulary are refused on every rank."""
 
 import pytest
 import torch
@@ -140,3 +142,64 @@ def test_token_ids_outside_the_padded_vocabulary_are_refused():
         check_token_ids([4], 4)
     with pytest.raises(ValueError, match="repeated"):
         check_token_ids([1, 1], 4)
+
+
+def _gpt_logits(model, ids):
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, pos, None)
+
+
+@multirank(world_size=2, timeout=400)
+def test_in_a_tied_gpt_the_tokens_equal_the_rows_written_into_the_base(
+        layout=ParallelLayout(tp=2, sp=True)):
+    """apply_lora(trainable_token_indices) in a tiny tied GPT at TP2+SP: one [n, h] tensor (the
+    output layer uses the embedding's), logits equal those of the plain model with the rows
+    written into its (shared) weight; base weights untouched."""
+    from megatron_lora.lora.model import LoraConfig, apply_lora, get_adapter_params
+    from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+
+    shape = tiny_mixtral_shape(num_layers=2, num_experts=None, tie_embeddings=True)
+    model = build_gpt_model(shape, transformer_config(shape, layout))
+    weight = model.embedding.word_embeddings.weight
+    before = weight.detach().clone()
+    ids_new = (3, 200, 255)  # rank 0 owns 3, rank 1 owns 200 and 255 (vocab 256 at TP2)
+    apply_lora(model, LoraConfig(r=2, target_modules=["linear_qkv"], seed=1,
+                                 trainable_token_indices=ids_new), verbose=False)
+    deltas = [n for n in get_adapter_params(model) if n.endswith("trainable_tokens_delta")]
+    assert deltas == ["embedding.word_embeddings.trainable_tokens_delta"], deltas
+    emb, out = model.embedding.word_embeddings, model.output_layer
+    assert out.delta() is emb.trainable_tokens_delta
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        emb.trainable_tokens_delta.copy_(torch.randn(3, shape.hidden_size, generator=g))
+    ids = torch.randint(0, 256, (2, 8), generator=g)
+    ids[0, 1], ids[1, 3], ids[1, 6] = 3, 200, 255
+    ours = _gpt_logits(model, ids)
+    assert torch.equal(weight, before)  # the base weight is never written
+    # the plain model, with the rows written into its weight shard
+    model.embedding.word_embeddings, model.output_layer = emb.base_layer, out.base_layer
+    with torch.no_grad():
+        start = emb.base_layer.vocab_start_index
+        for j, i in enumerate(ids_new):
+            if start <= i < emb.base_layer.vocab_end_index:
+                weight[i - start] = emb.trainable_tokens_delta[j]
+    plain = _gpt_logits(model, ids)
+    # logits reach |73|: the two matmul orders differ by fp32 rounding (measured 1.1e-5)
+    assert torch.allclose(ours, plain, rtol=1e-5, atol=1e-5), (ours - plain).abs().max().item()
+
+
+@multirank(world_size=2, timeout=400)
+def test_tied_embeddings_over_two_stages_are_refused_on_every_rank(
+        layout=ParallelLayout(pp=2)):
+    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+
+    shape = tiny_mixtral_shape(num_layers=2, num_experts=None, tie_embeddings=True)
+    model = build_gpt_model(shape, transformer_config(shape, layout))
+    with pytest.raises(ValueError, match="--add-special-tokens.*one pipeline stage"):
+        apply_lora(model, LoraConfig(r=2, target_modules=["linear_qkv"],
+                                     trainable_token_indices=(250,)), verbose=False)
+    with pytest.raises(ValueError, match="--add-special-tokens"):  # past the padded vocabulary
+        apply_lora(model, LoraConfig(r=2, target_modules=["linear_qkv"],
+                                     trainable_token_indices=(256,)), verbose=False)

@@ -189,12 +189,13 @@ FactorFn = Callable[[object], Tuple[torch.Tensor, torch.Tensor]]
 
 def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int], factors: FactorFn,
                              config: LoraConfig, dtype: torch.dtype, run_metadata: dict = None,
-                             overwrite: bool = False) -> None:
+                             overwrite: bool = False, extra: Dict[str, torch.Tensor] = None) -> None:
     """Write an adapter checkpoint at `save` (atomically).
 
     ranks: {kind name: rank} of the kinds to write. factors(site) -> (A, B) with the shapes of one
     site's box (embedding: A [r, Vp], B [h, r]), called once per factor per site; with
-    config.use_dora it returns (A, B, m), m [out] the DoRA magnitude.
+    config.use_dora it returns (A, B, m), m [out] the DoRA magnitude. extra: whole tensors by
+    checkpoint key (one chunk each, replicated), e.g. the trainable tokens' rows (TOKEN_KEYS).
     """
     check_output_free(save, overwrite)
     tensors = []
@@ -217,7 +218,13 @@ def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int]
             tensors.append(McoreTensor(key, tuple(shape), tuple(chunks)))
             by_key[key] = (kind, which)
 
+    for key, value in (extra or {}).items():
+        tensors.append(McoreTensor(key, tuple(value.shape), (Chunk((0,) * value.dim(),
+                                                                   tuple(value.shape), None),)))
+
     def chunk_data(t: McoreTensor, c: Chunk) -> torch.Tensor:
+        if t.key in (extra or {}):
+            return extra[t.key].to(dtype).contiguous()
         kind, which = by_key[t.key]
         data = factors(site_of[(t.key, tuple(c.offsets))])[which]
         return data.to(dtype).reshape(c.sizes).contiguous()

@@ -254,6 +254,20 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
     if cfg.use_dora:
         _check_dora_cover(pf, plans)
     config = _lora_config(info, ranks, site_scales, cfg.use_rslora, 0.0, cfg.use_dora)
+    extra = {}
+    if cfg.trainable_token_indices:  # PEFT's trainable tokens: rows of embed_tokens and lm_head
+        import dataclasses
+
+        from megatron_lora.export.adapter_ckpt import TOKEN_KEYS
+        from megatron_lora.lora.trainable_tokens import check_token_ids
+
+        try:
+            check_token_ids(cfg.trainable_token_indices, info.shape.vocab_size,
+                            "padded vocabulary")
+        except ValueError as exc:
+            raise ConversionError(f"{cfg.path}: trainable_token_indices: {exc}") from None
+        config = dataclasses.replace(config, trainable_token_indices=cfg.trainable_token_indices)
+        extra = {TOKEN_KEYS[w]: pf.read(key) for w, key in pf.tokens.items()}
     by_name = {s.name: p for entries in plans.values() for s, p in entries}
 
     def factors(site: Site):
@@ -268,5 +282,6 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
         return a, b, m
 
     write_adapter_checkpoint(save, info, ranks, factors, config, pf.dtype,
-                             run_metadata={"imported_from": adapter_dir}, overwrite=overwrite)
+                             run_metadata={"imported_from": adapter_dir}, overwrite=overwrite,
+                             extra=extra)
     return {"ranks": ranks, "config": config.to_dict(), "notes": notes}

@@ -4,8 +4,10 @@ PEFT scales an adapter's update B A by alpha / r (alpha / sqrt(r) with `use_rslo
 alpha come from `rank_pattern` / `alpha_pattern` when a key matches the module name, tried in
 dict order with `re.match(rf"(.*\\.)?({key})$", name)`, else from `r` / `lora_alpha`.
 
-Only plain LoRA converts: DoRA, LoRA biases, `fan_in_fan_out`, `modules_to_save`, trainable token
-indices and non-LoRA PEFT types raise ConversionError naming adapter_config.json and the field.
+Plain LoRA, DoRA (attention) and trainable tokens in the form `export peft` writes
+(`trainable_token_indices: {"embed_tokens": ids, "lm_head": the same ids}`) convert; LoRA biases,
+`fan_in_fan_out`, `modules_to_save`, other trainable-token forms and non-LoRA PEFT types raise
+ConversionError naming adapter_config.json and the field.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class PeftLora:
     alpha_pattern: Dict[str, float] = field(default_factory=dict)
     path: str = CONFIG_NAME
     use_dora: bool = False
+    trainable_token_indices: Tuple[int, ...] = ()
 
     def rank_alpha(self, *names: str) -> Tuple[int, float]:
         """(r, alpha) PEFT gives the first of `names` a pattern matches (else the defaults).
@@ -105,7 +108,6 @@ def read_adapter_config(directory: str) -> PeftLora:
         ("bias", lambda v: v not in (None, "none"), "trained biases (bias != 'none') are not supported"),
         ("fan_in_fan_out", lambda v: bool(v), "fan_in_fan_out=true is not supported"),
         ("modules_to_save", lambda v: bool(v), "modules_to_save (fully trained modules) is not supported"),
-        ("trainable_token_indices", lambda v: bool(v), "trainable_token_indices is not supported"),
         ("layer_replication", lambda v: bool(v), "layer_replication is not supported"),
     ]
     for name, bad, why in unsupported:
@@ -155,10 +157,30 @@ def read_adapter_config(directory: str) -> PeftLora:
     if not isinstance(use_dora, bool):
         raise ConversionError(f"{path}: field use_dora must be true or false, got "
                               f"{json_value(use_dora)}")
+    tokens = _token_indices(cfg.get("trainable_token_indices"), path)
     return PeftLora(r=r, lora_alpha=float(alpha), use_rslora=use_rslora, use_dora=use_dora,
+                    trainable_token_indices=tokens,
                     target_modules=tuple(modules), target_parameters=tuple(params),
                     rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"],
                     path=path)
+
+
+def _token_indices(value, path: str) -> Tuple[int, ...]:
+    """trainable_token_indices as our trainable tokens: the same distinct ids for embed_tokens and
+    lm_head (both rows trained, what `export peft` writes), else ConversionError."""
+    if not value:
+        return ()
+    form = ('trainable_token_indices must be {"embed_tokens": [ids], "lm_head": [the same ids]} '
+            '(both rows trained, as megatron-lora trains new tokens)')
+    if not isinstance(value, dict) or set(value) != {"embed_tokens", "lm_head"}:
+        raise ConversionError(f"{path}: field trainable_token_indices={short(value)}: {form}")
+    ids = value["embed_tokens"]
+    if (value["lm_head"] != ids or not isinstance(ids, list) or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise ConversionError(f"{path}: field trainable_token_indices={short(value)}: {form}, "
+                              f"distinct non-negative ints")
+    return tuple(ids)
 
 
 # Module names (PEFT's short names) that transformers 5 keeps as bare parameters rather than

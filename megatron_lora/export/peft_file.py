@@ -43,6 +43,11 @@ _GATE = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts(?:\.base_layer)*$")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _SKIPPABLE = ("model.embed_tokens.base_layer.weight", "lm_head.base_layer.weight")
+# Trainable tokens (trainable_token_indices): the rows, and PEFT's copies of the (resized) base.
+TOKEN_ROWS = {"embedding": "model.embed_tokens.token_adapter.trainable_tokens_delta",
+              "output_layer": "lm_head.token_adapter.trainable_tokens_delta"}
+_TOKEN_BASE = ("model.embed_tokens.token_adapter.base_layer.weight",
+               "lm_head.token_adapter.base_layer.weight")
 _MAGNITUDE = ".lora_magnitude_vector"
 
 
@@ -94,10 +99,13 @@ class PeftAdapterFile:
         self.magnitudes: Dict[str, str] = {}  # DoRA: HF module -> its lora_magnitude_vector key
         self._hf = hf_shapes(info)
         raw: Dict[str, Dict[str, str]] = {}
+        self.tokens: Dict[str, str] = {}  # trainable tokens: "embedding"/"output_layer" -> key
         for key in sorted(self.shapes):
             if not key.startswith(_PREFIX):
                 raise ConversionError(f"{self.path}: key {key!r} does not start with {_PREFIX!r}")
             name = key[len(_PREFIX):]
+            if config.trainable_token_indices and self._token_key(key, name):
+                continue
             if name in _SKIPPABLE:
                 self._check_base_copy(key, name)
                 continue
@@ -118,6 +126,10 @@ class PeftAdapterFile:
             self._add(module, keys["A"], keys["B"])
         if not self.modules and not self.fused:
             raise ConversionError(f"{self.path}: no LoRA factors found")
+        missing = [TOKEN_ROWS[w] for w in TOKEN_ROWS if w not in self.tokens]
+        if config.trainable_token_indices and missing:
+            raise ConversionError(f"{self.path}: {config.path} has trainable_token_indices but "
+                                  f"{_PREFIX}{missing[0]} is missing")
         if self.fused and any(".experts." in m for m in self.modules):
             raise ConversionError(f"{self.path}: mixes per-expert and fused expert LoRA keys")
         if config.use_dora:
@@ -145,6 +157,22 @@ class PeftAdapterFile:
         if self.shapes[key] != (out,):
             raise self._bad_shape(key, [out])
         self.magnitudes[module] = key
+
+    def _token_key(self, key: str, name: str) -> bool:
+        """True for a trainable-token key (rows recorded, PEFT's resized base copies skipped)."""
+        h = self.info.shape.hidden_size
+        if name in _TOKEN_BASE:  # [V', h], V' the resized vocabulary: the base is not imported
+            if len(self.shapes[key]) != 2 or self.shapes[key][1] != h:
+                raise self._bad_shape(key, ["V", h])
+            return True
+        which = next((w for w, n in TOKEN_ROWS.items() if n == name), None)
+        if which is None:
+            return False
+        want = (len(self.config.trainable_token_indices), h)
+        if self.shapes[key] != want:
+            raise self._bad_shape(key, list(want))
+        self.tokens[which] = key
+        return True
 
     def _check_base_copy(self, key: str, name: str) -> None:
         want = self._hf["model.embed_tokens.weight" if "embed" in name else "lm_head.weight"]

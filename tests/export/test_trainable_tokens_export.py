@@ -5,7 +5,8 @@ padded rows), then the adapter reloaded at TP2+SP (another layout) gives logits 
 that transformers + PEFT reproduce (max abs diff <= 1e-4) from `export peft`: the extended
 tokenizer in the export folder, `resize_token_embeddings(len(tokenizer))`, PeftModel with
 `trainable_token_indices`. The new rows moved off their initial (zero, padded) values, and the
-adapter changes the logits."""
+adapter changes the logits. `import peft` of the export gives back the trained checkpoint bit for
+bit; other trainable_token_indices forms are refused naming the field."""
 
 import json
 import os
@@ -107,3 +108,44 @@ def test_trainable_tokens_export_matches_transformers_peft(tokens_run, tmp_path)
         peft = model(tokens_run["ids"]).logits.float()
     assert (peft - ours).abs().max().item() <= TOL
     assert (plain - ours[..., :250]).abs().max().item() > 100 * TOL  # the adapter acts
+
+
+def test_import_of_the_export_is_bit_identical(tokens_run, tmp_path):
+    from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+    from megatron_lora.export.from_peft import import_peft
+    from megatron_lora.export.to_peft import export_peft
+    from megatron_lora.training.checkpoint import resolve
+
+    export_peft(tokens_run["run"], str(tmp_path / "peft"), hf_config=tokens_run["hf"])
+    report = import_peft(str(tmp_path / "peft"), str(tmp_path / "back"), hf_config=tokens_run["hf"])
+    assert report["config"]["trainable_token_indices"] == [250, 251]
+
+    def tensors(directory):
+        ckpt = TorchDistCheckpoint(directory)
+        return {k: ckpt.read(k, (0,) * len(ckpt.shape(k)), ckpt.shape(k))
+                for k in ckpt.tensors if not k.startswith("optimizer.")}
+
+    original, back = tensors(resolve(tokens_run["run"])), tensors(str(tmp_path / "back"))
+    assert "output_layer.trainable_tokens_delta" in original and sorted(original) == sorted(back)
+    for key in original:
+        assert torch.equal(original[key].view(torch.uint8), back[key].view(torch.uint8)), key
+
+
+def test_other_trainable_token_forms_are_refused(tokens_run, tmp_path):
+    import shutil
+
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.export.from_peft import import_peft
+    from megatron_lora.export.to_peft import export_peft
+
+    out = str(tmp_path / "peft")
+    export_peft(tokens_run["run"], out, hf_config=tokens_run["hf"])
+    for value in ([250, 251], {"embed_tokens": [250, 251], "lm_head": [251, 250]}):
+        bad = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")
+        shutil.copytree(out, bad)
+        cfg = json.load(open(os.path.join(bad, "adapter_config.json")))
+        cfg["trainable_token_indices"] = value
+        json.dump(cfg, open(os.path.join(bad, "adapter_config.json"), "w"))
+        with pytest.raises(ConversionError, match="adapter_config.json: field "
+                                                  "trainable_token_indices"):
+            import_peft(bad, str(tmp_path / "never"), hf_config=tokens_run["hf"])

@@ -105,6 +105,9 @@ def _run(args) -> int:
             from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
             lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
+            from megatron_lora.lora.trainable_tokens import info_for_tokens
+
+            info = info_for_tokens(info, lora.trainable_token_indices, load=args.load)
         _check_prompts(prompts, args, info, tokenizer, lora)
         from megatron_lora.convert.outputs import check_output
 

@@ -117,8 +117,10 @@ def _run(args) -> int:
             from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
             lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
-        from megatron_lora.lora.trainable_tokens import served_vocab
+        from megatron_lora.lora.trainable_tokens import info_for_tokens, served_vocab
 
+        if lora is not None:  # trained new tokens past the padded rows: a grown vocabulary
+            info = info_for_tokens(info, lora.trainable_token_indices, load=args.load)
         tokens = read_tokens(args.tokens, served_vocab(info.vocab_size, lora))  # + new tokens
         _check_batch(tokens, layout, world_size, args.micro_batch_size, info)
         from megatron_lora.convert.outputs import check_output
@@ -126,7 +128,7 @@ def _run(args) -> int:
         check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
             "--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
             "--adapter": args.adapter, "--tokens": args.tokens})
-    except (ConversionError, MixtralConfigError, LayoutError) as exc:
+    except (ConversionError, MixtralConfigError, LayoutError, ValueError) as exc:
         print(f"megatron-lora logits: error: {exc}", file=sys.stderr)
         return 2
     return _compute(args, layout, info, hf, tokens, torch.bfloat16 if args.bf16 else torch.float32,

@@ -248,25 +248,25 @@ def _special_tokens(folder: str, config: dict) -> Dict[str, str]:
 
 
 def load_training_tokenizer(spec: str, new_tokens: List[str], model_vocab: int,
-                            padded_vocab: int, flag: str = "--add-special-tokens"):
+                            padded_vocab: Optional[int], flag: str = "--add-special-tokens"):
     """(tokenizer, ids of new_tokens) for training: `--tokenizer spec` extended with new_tokens
     (HFTokenizer.add_special_tokens). The tokenizer's own vocabulary must fit the model's
-    (model_vocab rows); the new ids must fall in the model's padded vocabulary (padded_vocab
-    rows, megatron's padding to a multiple): a grown vocabulary is not supported, that is a
-    TokenizerError naming `flag`."""
+    (model_vocab rows); with padded_vocab given, the new ids must fall in the model's padded
+    vocabulary (megatron's padding to a multiple), else a TokenizerError naming `flag`; None:
+    the vocabulary may grow (the caller builds the model for the ids)."""
     tokenizer = load_tokenizer(spec)
     if tokenizer.vocab_size > model_vocab:
         raise TokenizerError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                              f"model's vocab_size {model_vocab}")
     if not new_tokens:
         return tokenizer, []
-    free = padded_vocab - tokenizer.vocab_size
-    if len(new_tokens) > free:
+    free = (padded_vocab or 0) - tokenizer.vocab_size
+    if padded_vocab is not None and len(new_tokens) > free:
         raise TokenizerError(
             f"{flag}: {len(new_tokens)} new tokens do not fit: the tokenizer has "
             f"{tokenizer.vocab_size} tokens and the model's padded vocabulary {padded_vocab} rows "
             f"(vocab_size {model_vocab} padded to a multiple of 128), so {max(free, 0)} rows are "
-            f"free; growing the vocabulary is not supported")
+            f"free; growing the vocabulary needs the base from --load-hf")
     return tokenizer, tokenizer.add_special_tokens(list(new_tokens), flag)
 
 

@@ -259,13 +259,9 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
         import dataclasses
 
         from megatron_lora.export.adapter_ckpt import TOKEN_KEYS
-        from megatron_lora.lora.trainable_tokens import check_token_ids
 
-        try:
-            check_token_ids(cfg.trainable_token_indices, info.shape.vocab_size,
-                            "padded vocabulary")
-        except ValueError as exc:
-            raise ConversionError(f"{cfg.path}: trainable_token_indices: {exc}") from None
+        # ids past the padded vocabulary are fine: the model is built for them when loaded
+        # (trainable_tokens.info_for_tokens)
         config = dataclasses.replace(config, trainable_token_indices=cfg.trainable_token_indices)
         extra = {TOKEN_KEYS[w]: pf.read(key) for w, key in pf.tokens.items()}
     by_name = {s.name: p for entries in plans.values() for s, p in entries}

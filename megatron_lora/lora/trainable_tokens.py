@@ -65,8 +65,8 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "vocabulary
     if bad:
         raise ValueError(
             f"trainable token ids {bad} ({FLAG}) are outside the model's {what} of {vocab_size} "
-            f"rows (megatron's padded vocabulary); a grown vocabulary is not supported: add fewer "
-            f"tokens or pad the vocabulary further (--make-vocab-size-divisible-by)")
+            f"rows; build the model for them (a grown vocabulary: trainable_tokens."
+            f"info_for_tokens, which train, logits and generate use with --load-hf)")
     return ids
 
 
@@ -75,6 +75,28 @@ def served_vocab(vocab_size: int, lora=None) -> int:
     to the trainable tokens' ids (they may lie in megatron's padded rows past vocab_size)."""
     ids = tuple(getattr(lora, "trainable_token_indices", None) or ())
     return max([vocab_size] + [i + 1 for i in ids])
+
+
+def info_for_tokens(info, ids: Sequence[int], load: Optional[str] = None):
+    """The MixtralInfo a model training (or serving) the token ids is built from: `info` when
+    the ids fit its padded vocabulary, else one whose padded vocabulary grows to the next
+    multiple of 128 holding them (the base rows [0, vocab_size) as loaded, the rest zero).
+    Growing needs a base read from HF (--load-hf: its mapping zero-fills the grown rows); a
+    megatron checkpoint (`load`) has a fixed row count: ValueError naming the flags."""
+    import dataclasses
+
+    from megatron_lora.models.mixtral import padded_vocab_size
+
+    need = max((int(i) + 1 for i in ids), default=0)
+    if need <= info.shape.vocab_size:
+        return info
+    if load:
+        raise ValueError(
+            f"{FLAG}: token id {need - 1} needs a vocabulary of {padded_vocab_size(need)} rows, but "
+            f"--load {load} holds {info.shape.vocab_size} (vocab_size {info.vocab_size} padded); "
+            f"growing the vocabulary needs the base from --load-hf")
+    shape = dataclasses.replace(info.shape, vocab_size=padded_vocab_size(need))
+    return dataclasses.replace(info, shape=shape)
 
 
 def _rows_of(weight_shard, ids, start, end, group):
@@ -258,4 +280,4 @@ def wrap_trainable_tokens(embedding, output_layer, token_ids, *, tied: bool, dty
 
 
 __all__ = ["DELTA", "TrainableTokensEmbedding", "TrainableTokensOutput", "check_token_ids",
-           "served_vocab", "wrap_trainable_tokens"]
+           "info_for_tokens", "served_vocab", "wrap_trainable_tokens"]

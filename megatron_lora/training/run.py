@@ -65,7 +65,12 @@ def _setup_checks(args, layout, world_size):
             from megatron_lora.training.checkpoint import read_tracker
 
             resume_at = read_tracker(args.save)
-        token_ids = tuple(_tokenizer(args, info)[1])  # --add-special-tokens
+        token_ids = tuple(_tokenizer(args, info, grow=True)[1])  # --add-special-tokens
+        if token_ids:  # past the padded rows: a grown vocabulary (--load-hf only)
+            from megatron_lora.lora.trainable_tokens import info_for_tokens
+
+            info = info_for_tokens(info, token_ids, load=args.load)
+            info.validate_layout(layout, world_size, flags=True)
         if getattr(args, "adapter", None):
             from megatron_lora.training.initial_adapter import (open_initial_adapter,
                                                                 set_lora_flags)
@@ -246,13 +251,15 @@ def _datasets(args, info, run):
     return train, evaluation, stats
 
 
-def _tokenizer(args, info):
-    """(--tokenizer with --add-special-tokens added, the new tokens' ids); TrainSetupError."""
+def _tokenizer(args, info, grow: bool = False):
+    """(--tokenizer with --add-special-tokens added, the new tokens' ids); TrainSetupError.
+    grow: the ids may lie past info's padded vocabulary (see trainable_tokens.info_for_tokens)."""
     from megatron_lora.data.tokenizers import TokenizerError, load_training_tokenizer
 
     try:
         return load_training_tokenizer(args.tokenizer, getattr(args, "add_special_tokens", None)
-                                       or [], info.vocab_size, info.shape.vocab_size)
+                                       or [], info.vocab_size,
+                                       None if grow else info.shape.vocab_size)
     except TokenizerError as exc:
         raise TrainSetupError(str(exc)) from None
 

@@ -31,9 +31,11 @@ def test_added_tokens_get_the_next_ids_and_save_as_transformers_reads_them(tmp_p
 
 
 def test_too_many_tokens_for_the_padded_vocabulary_and_byte_are_refused(tmp_path):
+    # (train grows the vocabulary with --load-hf: padded_vocab=None; see info_for_tokens)
     folder = mistral_folder(str(tmp_path / "tok"), vocab_size=250)
     with pytest.raises(TokenizerError, match="--add-special-tokens: 7 new tokens do not fit.*6 "
-                                             "rows are free; growing the vocabulary"):
+                                             "rows are free; growing the vocabulary needs the "
+                                             "base from --load-hf"):
         load_training_tokenizer(folder, [f"<t{i}>" for i in range(7)], 250, 256)
     with pytest.raises(TokenizerError, match="--add-special-tokens needs an HF tokenizer"):
         load_training_tokenizer("byte", NEW, 259, 384)

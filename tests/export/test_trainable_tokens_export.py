@@ -1,8 +1,8 @@
 """Trainable tokens end to end, judged by transformers + PEFT: `megatron-lora train
---add-special-tokens "<|im_start|>" "<|im_end|>"` (one rank, LoRA on attention) on chat text that
-uses them (the tiny Mixtral's vocabulary of 250 is padded to 256, so the new ids 250 and 251 are
-padded rows), then the adapter reloaded at TP2+SP (another layout) gives logits over 252 columns
-that transformers + PEFT reproduce (max abs diff <= 1e-4) from `export peft`: the extended
+--add-special-tokens "<|im_start|>" "<|im_end|>" <a> ... <e>` (one rank, LoRA on attention) on
+chat text that uses them: the tiny Mixtral's vocabulary of 250 is padded to 256, so the new ids
+250-255 are padded rows and 256 needs a grown vocabulary (384 rows). The adapter reloaded at
+TP2+SP (another layout) gives logits over 257 columns that transformers + PEFT reproduce (max abs diff <= 1e-4) from `export peft`: the extended
 tokenizer in the export folder, `resize_token_embeddings(len(tokenizer))`, PeftModel with
 `trainable_token_indices`. The new rows moved off their initial (zero, padded) values, and the
 adapter changes the logits. `import peft` of the export gives back the trained checkpoint bit for
@@ -21,7 +21,8 @@ from megatron_lora.runtime import ParallelLayout
 from tests.export import _support as S
 from tests.harness import multirank
 
-NEW = ["<|im_start|>", "<|im_end|>"]
+NEW = ["<|im_start|>", "<|im_end|>", "<a>", "<b>", "<c>", "<d>", "<e>"]  # ids 250 ... 256
+IDS = list(range(250, 257))
 TOL = 1e-4
 
 
@@ -31,7 +32,9 @@ def _chat(path: str) -> str:
     with open(path, "w") as f:
         for _ in range(16):
             user = " ".join(rnd.choice(words) for _ in range(4))
-            reply = " ".join(rnd.choice(words) for _ in range(3))
+            reply = [rnd.choice(words) for _ in range(2)] + NEW[2:]  # every new token, each step
+            rnd.shuffle(reply)
+            reply = " ".join(reply)
             text = f"<|im_start|>user {user}<|im_end|><|im_start|>assistant {reply}<|im_end|>"
             f.write(json.dumps({"text": text}) + "\n")
     return path
@@ -44,14 +47,17 @@ def _our_logits(hf, run, tokens, out, layout=ParallelLayout(tp=2, sp=True)):
     from megatron_lora.convert.logits import forward_logits
     from megatron_lora.export.adapter_ckpt import lora_config_from_dict
     from megatron_lora.lora.model import apply_lora
+    from megatron_lora.lora.trainable_tokens import info_for_tokens
     from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
     from megatron_lora.testing.parity import assert_held_by
     from megatron_lora.training.checkpoint import load_adapter_weights, read_run_metadata
 
     info, ckpt, _ = open_hf(hf)
+    lora = lora_config_from_dict(read_run_metadata(run)["run_metadata"]["lora"])
+    info = info_for_tokens(info, lora.trainable_token_indices)  # 384 rows for id 256
+    assert info.shape.vocab_size == 384
     model = build_mixtral_model(info, mixtral_config(info, layout))
     load_hf(model, info, ckpt)
-    lora = lora_config_from_dict(read_run_metadata(run)["run_metadata"]["lora"])
     apply_lora(model, lora, verbose=False)
     load_adapter_weights([model], run)
     vocab = max(lora.trainable_token_indices) + 1
@@ -76,6 +82,7 @@ def tokens_run(tiny, tmp_path_factory):
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 250, (2, 12), generator=g)
     ids[0, 2], ids[0, 7], ids[1, 0], ids[1, 9] = 250, 251, 250, 251
+    ids[0, 4], ids[0, 10], ids[1, 5] = 256, 253, 255
     tokens = S.write_tokens(str(root / "tokens.json"), ids)
     out = str(root / "ours.safetensors")
     _our_logits(hf=tiny["hf"], run=run, tokens=tokens, out=out)
@@ -90,16 +97,15 @@ def test_trainable_tokens_export_matches_transformers_peft(tokens_run, tmp_path)
 
     out = str(tmp_path / "peft")
     config = export_peft(tokens_run["run"], out, hf_config=tokens_run["hf"])
-    assert config["trainable_token_indices"] == {"embed_tokens": [250, 251],
-                                                 "lm_head": [250, 251]}
+    assert config["trainable_token_indices"] == {"embed_tokens": IDS, "lm_head": IDS}
     with safe_open(os.path.join(out, "adapter_model.safetensors"), "pt") as f:
         rows = {k: f.get_tensor(k) for k in f.keys() if "trainable_tokens_delta" in k}
-    assert len(rows) == 2 and all(r.shape == (2, 64) and r.abs().min() > 0 for r in rows.values())
+    assert len(rows) == 2 and all(r.shape == (7, 64) and r.abs().min() > 0 for r in rows.values())
     tokenizer = AutoTokenizer.from_pretrained(out)  # the extended tokenizer came with it
-    assert len(tokenizer) == 252 and tokenizer.convert_tokens_to_ids(NEW) == [250, 251]
+    assert len(tokenizer) == 257 and tokenizer.convert_tokens_to_ids(NEW) == IDS
 
     ours = load_file(tokens_run["ours"])["logits"]
-    assert ours.shape == (2, 12, 252)
+    assert ours.shape == (2, 12, 257)
     base = S.hf_model(tokens_run["hf"])
     base.resize_token_embeddings(len(tokenizer))
     with torch.no_grad():
@@ -118,7 +124,7 @@ def test_import_of_the_export_is_bit_identical(tokens_run, tmp_path):
 
     export_peft(tokens_run["run"], str(tmp_path / "peft"), hf_config=tokens_run["hf"])
     report = import_peft(str(tmp_path / "peft"), str(tmp_path / "back"), hf_config=tokens_run["hf"])
-    assert report["config"]["trainable_token_indices"] == [250, 251]
+    assert report["config"]["trainable_token_indices"] == IDS
 
     def tensors(directory):
         ckpt = TorchDistCheckpoint(directory)
@@ -140,7 +146,7 @@ def test_other_trainable_token_forms_are_refused(tokens_run, tmp_path):
 
     out = str(tmp_path / "peft")
     export_peft(tokens_run["run"], out, hf_config=tokens_run["hf"])
-    for value in ([250, 251], {"embed_tokens": [250, 251], "lm_head": [251, 250]}):
+    for value in (IDS, {"embed_tokens": IDS, "lm_head": IDS[::-1]}):
         bad = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")
         shutil.copytree(out, bad)
         cfg = json.load(open(os.path.join(bad, "adapter_config.json")))

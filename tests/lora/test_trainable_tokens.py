@@ -203,3 +203,17 @@ def test_tied_embeddings_over_two_stages_are_refused_on_every_rank(
     with pytest.raises(ValueError, match="--add-special-tokens"):  # past the padded vocabulary
         apply_lora(model, LoraConfig(r=2, target_modules=["linear_qkv"],
                                      trainable_token_indices=(256,)), verbose=False)
+
+
+def test_the_vocabulary_grows_for_ids_past_the_padded_rows_only_from_hf():
+    from megatron_lora.lora.trainable_tokens import info_for_tokens
+    from megatron_lora.models.mixtral import MixtralInfo
+    from tests.convert.tiny import TINY_CONFIG
+
+    info = MixtralInfo.from_hf_config(dict(TINY_CONFIG, architectures=["MixtralForCausalLM"],
+                                           model_type="mixtral"))  # vocab 250, padded to 256
+    assert info_for_tokens(info, [250, 255]) is info  # padded rows: no growth
+    grown = info_for_tokens(info, [250, 256])
+    assert (grown.shape.vocab_size, grown.vocab_size) == (384, 250)
+    with pytest.raises(ValueError, match="--add-special-tokens.*needs the base from --load-hf"):
+        info_for_tokens(info, [256], load="ckpt")

@@ -7,7 +7,8 @@ weights. Existing tokens' embedding rows and logits are bit-identical to the bas
 weights get no gradient. Removing the output layer's [T, n] gradient all-reduce breaks the
 comparison. In a tiny tied GPT at TP2+SP (apply_lora): one shared [n, h] tensor, logits equal the
 plain model's with the rows written into its weight; tied embeddings over two pipeline stages
-and ids past the padded vocabulary are refused on every rank."""
+and ids past the padded vocabulary are refused on every rank. Training 3 steps at TP2+SP and PP2
+gives the single-rank losses and trained rows."""
 
 import pytest
 import torch
@@ -217,3 +218,70 @@ def test_the_vocabulary_grows_for_ids_past_the_padded_rows_only_from_hf():
     assert (grown.shape.vocab_size, grown.vocab_size) == (384, 250)
     with pytest.raises(ValueError, match="--add-special-tokens.*needs the base from --load-hf"):
         info_for_tokens(info, [256], load="ckpt")
+
+
+# --- training: the same trained rows at every layout ----------------------------------------
+TRAIN_IDS = (300, 301)  # rows past the tokens the data uses otherwise (0-258), in the 384 rows
+
+
+def _train_tokens(layout, weights=None):
+    """(losses, {name: trained trainable_tokens_delta}) of 3 steps on text using TRAIN_IDS."""
+    from megatron_lora.data import PackedDataset, Sample, pack_samples
+    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.training.loop import train
+    from tests.training import _support as S
+
+    rows = []
+    for i in range(16):
+        ids = [256, 300] + list(f"{i} squared is {i * i}.".encode()) + [301, 257]
+        rows.append(Sample(ids, [1] * len(ids)))
+    data = PackedDataset(pack_samples(rows, S.SEQ, pad_id=258), seed=5)
+    m = S.model(layout, weights)
+    apply_lora(m, LoraConfig(r=2, target_modules=["linear_proj"], seed=1,
+                             trainable_token_indices=TRAIN_IDS), verbose=False)
+    rows = {n: p for n, p in m.named_parameters() if n.endswith("trainable_tokens_delta")}
+    initial = {n: p.detach().clone() for n, p in rows.items()}
+    result = train([m], data, S.run_config(iters=3), S.optim(3), layout_name=layout.describe())
+    moved = min(((p.detach() - initial[n]).abs().max().item() for n, p in rows.items()),
+                default=0.0)
+    assert moved > 1e-4, moved  # every row tensor on this rank trained
+    return result.losses, {n: p.detach().clone() for n, p in rows.items()}
+
+
+@multirank(world_size=1, timeout=300)
+def _tokens_reference(directory, layout=ParallelLayout()):
+    import os
+
+    from megatron_lora.testing.reference import save_weights
+    from tests.training import _support as S
+
+    save_weights(S.model(layout), os.path.join(directory, "weights"))
+    losses, deltas = _train_tokens(layout, os.path.join(directory, "weights"))
+    torch.save({"losses": losses, "deltas": deltas}, os.path.join(directory, "result.pt"))
+
+
+@pytest.fixture(scope="module")
+def tokens_reference(tmp_path_factory):
+    import os
+
+    directory = str(tmp_path_factory.mktemp("tokens_reference"))
+    _tokens_reference(directory=directory)
+    return directory, torch.load(os.path.join(directory, "result.pt"))
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True), ParallelLayout(pp=2)],
+                         ids=["TP2+SP", "PP2"])
+@multirank(world_size=2, timeout=300)
+def test_trained_rows_and_losses_match_the_single_rank_run(layout, tokens_reference):
+    """3 steps training the rows of ids 300, 301 (and LoRA on linear_proj) at TP2+SP and PP2 give
+    the single-rank losses (rel 1e-5) and trained rows (1e-5); the rows moved."""
+    import os
+
+    directory, ref = tokens_reference
+    losses, deltas = _train_tokens(layout, os.path.join(directory, "weights"))
+    for step, loss in ref["losses"].items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    assert deltas, "no trainable tokens on this rank"  # PP2: embedding first, output last
+    for name, value in deltas.items():
+        want = ref["deltas"][name]
+        assert (value - want).abs().max().item() <= 1e-5, name

@@ -402,11 +402,11 @@ def _wrap_tokens(m, config: LoraConfig) -> Dict[str, torch.nn.Module]:
     emb, out = wrap_trainable_tokens(
         word, output, config.trainable_token_indices, dtype=config.dtype,
         tied=bool(getattr(m, "share_embeddings_and_output_weights", False)))
-    wrapped = {}
+    wrapped = {}  # keyed apart from LoRA adapters: these hold rows, not factors
     if emb is not None:
-        embedding.word_embeddings = wrapped["embedding"] = emb
+        embedding.word_embeddings = wrapped["embedding.trainable_tokens"] = emb
     if out is not None:
-        m.output_layer = wrapped["output_layer"] = out
+        m.output_layer = wrapped["output_layer.trainable_tokens"] = out
     return wrapped
 
 

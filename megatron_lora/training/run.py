@@ -82,8 +82,8 @@ def _setup_checks(args, layout, world_size):
                 raise TrainSetupError(
                     f"--adapter {args.adapter} trains the token ids "
                     f"{list(lora.trainable_token_indices)}, but --add-special-tokens with "
-                    f"--tokenizer gives {list(token_ids)}; pass the adapter's tokenizer folder "
-                    f"and the same --add-special-tokens")
+                    f"--tokenizer gives {list(token_ids)}; pass the base --tokenizer the adapter "
+                    f"was trained from and the same --add-special-tokens, in the same order")
         else:
             try:
                 lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,

@@ -11,6 +11,8 @@ a no-op.
 Global layout (n listed ids, h hidden, V padded vocabulary, t = the embedding's TP group size):
     trainable_tokens_delta [n, h], REPLICATED on every TP rank, row j for token ids[j].
 The base weights stay vocabulary-sharded ([V/t, h] per rank); nothing is ever written to them.
+New tokens take free padded rows; ids past them need a model built with a grown padded vocabulary
+(`info_for_tokens`: the next multiple of 128, grown rows zero; a base from HF only).
 
 Embedding forward on ids [b, s]: the base output ([b, s, h] replicated, or [s/t, b, h] under SP:
 `reduce_scatter_embeddings`) gets, at the positions holding a listed id, delta_e's row instead

@@ -6,7 +6,8 @@ TP2+SP (another layout) gives logits over 257 columns that transformers + PEFT r
 tokenizer in the export folder, `resize_token_embeddings(len(tokenizer))`, PeftModel with
 `trainable_token_indices`. The new rows moved off their initial (zero, padded) values, and the
 adapter changes the logits. `import peft` of the export gives back the trained checkpoint bit for
-bit; other trainable_token_indices forms are refused naming the field."""
+bit, and so does PEFT's own save of such an adapter; other trainable_token_indices forms are
+refused naming the field."""
 
 import json
 import os
@@ -155,3 +156,31 @@ def test_other_trainable_token_forms_are_refused(tokens_run, tmp_path):
         with pytest.raises(ConversionError, match="adapter_config.json: field "
                                                   "trainable_token_indices"):
             import_peft(bad, str(tmp_path / "never"), hf_config=tokens_run["hf"])
+
+
+def test_peft_s_own_save_imports(tokens_run, tmp_path):
+    """A LoRA with trainable_token_indices made and saved by PEFT itself (with the resized base
+    copies PEFT adds) imports: the rows land in the checkpoint bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+    from megatron_lora.export.from_peft import import_peft
+
+    model = S.hf_model(tokens_run["hf"])
+    model.resize_token_embeddings(257)
+    peft = get_peft_model(model, LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj"],
+        trainable_token_indices={"embed_tokens": IDS, "lm_head": IDS}))
+    g = torch.Generator().manual_seed(4)
+    rows = {}
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+                rows["embedding" if "embed_tokens" in name else "output_layer"] = p.clone()
+    peft.save_pretrained(str(tmp_path / "peft"))
+    import_peft(str(tmp_path / "peft"), str(tmp_path / "back"), hf_config=tokens_run["hf"])
+    ckpt = TorchDistCheckpoint(str(tmp_path / "back"))
+    for which, key in (("embedding", "embedding.word_embeddings.trainable_tokens_delta"),
+                       ("output_layer", "output_layer.trainable_tokens_delta")):
+        assert torch.equal(ckpt.read(key, (0, 0), (7, 64)), rows[which]), key

@@ -189,7 +189,8 @@ FactorFn = Callable[[object], Tuple[torch.Tensor, torch.Tensor]]
 
 def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int], factors: FactorFn,
                              config: LoraConfig, dtype: torch.dtype, run_metadata: dict = None,
-                             overwrite: bool = False, extra: Dict[str, torch.Tensor] = None) -> None:
+                             overwrite: bool = False,
+                             extra: Dict[str, torch.Tensor] = None) -> None:
     """Write an adapter checkpoint at `save` (atomically).
 
     ranks: {kind name: rank} of the kinds to write. factors(site) -> (A, B) with the shapes of one

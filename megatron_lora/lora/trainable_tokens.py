@@ -94,8 +94,8 @@ def info_for_tokens(info, ids: Sequence[int], load: Optional[str] = None):
         return info
     if load:
         raise ValueError(
-            f"{FLAG}: token id {need - 1} needs a vocabulary of {padded_vocab_size(need)} rows, but "
-            f"--load {load} holds {info.shape.vocab_size} (vocab_size {info.vocab_size} padded); "
+            f"{FLAG}: token id {need - 1} needs a vocabulary of {padded_vocab_size(need)} rows, "
+            f"but --load {load} holds {info.shape.vocab_size} (vocab_size {info.vocab_size} padded); "
             f"growing the vocabulary needs the base from --load-hf")
     shape = dataclasses.replace(info.shape, vocab_size=padded_vocab_size(need))
     return dataclasses.replace(info, shape=shape)

@@ -2,9 +2,9 @@
 --add-special-tokens "<|im_start|>" "<|im_end|>" <a> ... <e>` (one rank, LoRA on attention) on
 chat text that uses them: the tiny Mixtral's vocabulary of 250 is padded to 256, so the new ids
 250-255 are padded rows and 256 needs a grown vocabulary (384 rows). The adapter reloaded at
-TP2+SP (another layout) gives logits over 257 columns that transformers + PEFT reproduce (max abs diff <= 1e-4) from `export peft`: the extended
-tokenizer in the export folder, `resize_token_embeddings(len(tokenizer))`, PeftModel with
-`trainable_token_indices`. The new rows moved off their initial (zero, padded) values, and the
+TP2+SP (another layout) gives logits over 257 columns that transformers + PEFT reproduce (max abs
+diff <= 1e-4) from `export peft`: the extended tokenizer in the export folder,
+`resize_token_embeddings(len(tokenizer))`, PeftModel with `trainable_token_indices`. The new rows moved off their initial (zero, padded) values, and the
 adapter changes the logits. `import peft` of the export gives back the trained checkpoint bit for
 bit, and so does PEFT's own save of such an adapter; other trainable_token_indices forms are
 refused naming the field."""

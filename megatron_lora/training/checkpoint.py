@@ -5,7 +5,8 @@ Layout on disk:
     SAVE/iter_0000020/                         a megatron torch_dist checkpoint:
         model.*      trainable parameters only (the frozen base is never saved again)
         optimizer.*  megatron optimizer state for those parameters
-        common       scheduler, iteration, consumed samples, run config (plain data)
+        common       scheduler, iteration, consumed samples, run config (plain data); with
+                     fp16 adapters also the dynamic loss scale (`loss_scale`)
     SAVE/iter_0000020/rng/rank_00003.pt         per-rank RNG states (tensors only)
     SAVE/iter_0000020/run_config.yaml           the flags of the run that wrote it (when its
                                                 run metadata has a "run_config"; `train --config`)
@@ -38,6 +39,11 @@ from megatron_lora.runtime.safe_load import (
     dist_load,
     load_common_state,
     safe_torch_load,
+)
+from megatron_lora.training.optimizer import (
+    LOSS_SCALE_KEYS,
+    loss_scale_state,
+    set_loss_scale_state,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -272,6 +278,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     state = dict(model_sd)
     state["optimizer"] = optimizer_sharded_state(model_sd["model0"], optimizer)
     state["scheduler"] = scheduler.state_dict()
+    scale = loss_scale_state(optimizer)
+    if scale is not None:  # fp16: a resume continues from the scale reached, not from 2**16
+        state["loss_scale"] = scale
     state["common"] = dict(common, iteration=iteration)
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
@@ -329,6 +338,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, layout_name: 
             raise RuntimeError(f"{directory}: unexpected keys {unexpected[:5]}")
     _set_optimizer_state(model_sd["model0"], optimizer, loaded["optimizer"], iteration)
     scheduler.load_state_dict(saved["scheduler"])
+    set_loss_scale_state(optimizer, saved.get("loss_scale"))
     if rng is not None:
         _set_rng_state(rng)
     return common
@@ -342,6 +352,12 @@ def _common_state(directory: str, saved: Optional[Dict]) -> Dict:
     for key in ("common", "scheduler"):
         if not isinstance(saved.get(key), dict):
             raise CheckpointFileError(path, f"has no {key!r} dict: not a training checkpoint")
+    scale = saved.get("loss_scale")
+    if scale is not None and not (
+            isinstance(scale, dict) and set(scale) == set(LOSS_SCALE_KEYS)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scale.values())):
+        raise CheckpointFileError(path, f"'loss_scale' must map {', '.join(LOSS_SCALE_KEYS)} to "
+                                  f"numbers, got {scale!r}")
     return saved
 
 

@@ -17,7 +17,7 @@ default) keep megatron's plain fp32 optimizer and fp32 gradient buffers, unchang
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -132,3 +132,36 @@ def wrap_for_training(
         wd_incr_style="constant",
     )
     return wrapped, optimizer, scheduler
+
+
+LOSS_SCALE_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
+
+
+def _grad_scalers(optimizer) -> list:
+    """The dynamic loss scalers of a megatron optimizer (one per sub-optimizer; none unless fp16)."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [s.grad_scaler for s in subs if getattr(s, "grad_scaler", None) is not None]
+
+
+def loss_scale_state(optimizer) -> Optional[Dict[str, float]]:
+    """fp16's dynamic loss scale as plain numbers ({"scale", "growth_tracker",
+    "hysteresis_tracker"}, megatron's DynamicGradScaler.state_dict keys), or None without one.
+    Every sub-optimizer's scaler sees the same all-reduced overflow flags, so one describes all."""
+    scalers = _grad_scalers(optimizer)
+    if not scalers:
+        return None
+    state = scalers[0].state_dict()
+    return {"scale": float(state["scale"]), "growth_tracker": int(state["growth_tracker"]),
+            "hysteresis_tracker": int(state["hysteresis_tracker"])}
+
+
+def set_loss_scale_state(optimizer, state: Optional[Dict[str, float]]) -> None:
+    """Restore what loss_scale_state returned into every scaler (a no-op without scalers or
+    state). The scale tensor keeps its device and dtype (DynamicGradScaler.load_state_dict would
+    move it to CUDA)."""
+    if not state:
+        return
+    for scaler in _grad_scalers(optimizer):
+        scaler._scale = torch.full_like(scaler.scale, float(state["scale"]))
+        scaler._growth_tracker = int(state["growth_tracker"])
+        scaler._hysteresis_tracker = int(state["hysteresis_tracker"])

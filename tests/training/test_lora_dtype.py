@@ -81,7 +81,8 @@ def _global_grads(adapters) -> dict:
 
 def _steps(model, steps, optim, adapters=None):
     """`steps` training steps of the loop's kind; returns (losses, optimizer, the global adapter
-    gradients of step 1 (with `adapters`))."""
+    gradients of step 1 (with `adapters`)); the optimizer's `wrapped_chunks` and `scheduler`
+    attributes are the DDP chunks and the scheduler, for a checkpoint."""
     from megatron_lora.training.optimizer import wrap_for_training
     from megatron_lora.training.step import forward_backward
 
@@ -101,6 +102,7 @@ def _steps(model, steps, optim, adapters=None):
         assert ok
         scheduler.step(increment=1)
         losses.append(float(loss))
+    optimizer.wrapped_chunks, optimizer.scheduler = wrapped, scheduler
     return torch.tensor(losses), optimizer, grads
 
 
@@ -184,20 +186,44 @@ def test_master_check_fails_with_bf16_precision_masters(layout):
         check_half_adapters(adapters, optimizer)
 
 
+FP16_LORA = LoraConfig(r=4, lora_alpha=8, seed=11, dtype="fp16",
+                       target_modules=["linear_proj", "linear_fc2"])
+
+
 @pytest.mark.parametrize("layout", [ParallelLayout()], ids=["TP1"])
 @multirank(world_size=1, timeout=300)
-def test_fp16_adapters_use_a_loss_scale(layout):
+def test_fp16_adapters_use_a_loss_scale(layout, tmp_path):
     """fp16 adapters: fp16 parameters and gradients, fp32 masters, megatron's dynamic loss scale
-    multiplies the loss (so small gradients survive fp16) and is divided out before the step."""
+    multiplies the loss (so small gradients survive fp16) and is divided out before the step.
+    The scale reached (and its trackers) is checkpointed and restored by a resume."""
+    from megatron_lora.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_lora.training.optimizer import (
+        loss_scale_state,
+        set_loss_scale_state,
+        wrap_for_training,
+    )
+
     model = S.model(layout)
-    adapters = apply_lora(model, LoraConfig(r=4, lora_alpha=8, seed=11, dtype="fp16",
-                                            target_modules=["linear_proj", "linear_fc2"]),
-                          verbose=False)
+    adapters = apply_lora(model, FP16_LORA, verbose=False)
     losses, optimizer, _ = _steps(model, 2, S.optim(2))
     assert check_half_adapters(adapters, optimizer, torch.float16) > 0
     assert float(optimizer.get_loss_scale()) == 2.0 ** 16
     assert model.config.grad_scale_func is not None
     assert torch.isfinite(losses).all()
+
+    # As after overflows and clean steps: a state no fresh optimizer starts from.
+    reached = {"scale": 2.0 ** 9, "growth_tracker": 3, "hysteresis_tracker": 0}
+    set_loss_scale_state(optimizer, reached)
+    assert loss_scale_state(optimizer) == reached
+    save_checkpoint(str(tmp_path), 2, optimizer.wrapped_chunks, optimizer, optimizer.scheduler,
+                    {"layout": layout.describe(), "world_size": 1})
+    fresh = S.model(layout)
+    apply_lora(fresh, FP16_LORA, verbose=False)
+    chunks, resumed, scheduler = wrap_for_training([fresh], S.optim(2))
+    assert float(resumed.get_loss_scale()) == 2.0 ** 16
+    load_checkpoint(str(tmp_path), chunks, resumed, scheduler, layout.describe())
+    assert loss_scale_state(resumed) == reached
+    assert float(resumed.get_loss_scale()) == 2.0 ** 9
 
 
 def _safetensors_dtypes(path):
@@ -304,3 +330,14 @@ def test_resume_and_adapter_refuse_another_lora_dtype():
     assert flag_conflicts(args, bf16, set()) == []  # not given: the adapter's
     set_lora_flags(args, bf16)
     assert args.lora_dtype == "bf16"
+
+
+@pytest.mark.parametrize("bad", ["2**16", {"scale": 1.0}, {"scale": "1", "growth_tracker": 0,
+                                                             "hysteresis_tracker": 1}])
+def test_a_malformed_loss_scale_names_the_file_and_field(bad, tmp_path):
+    from megatron_lora.runtime.safe_load import CheckpointFileError
+    from megatron_lora.training.checkpoint import _common_state
+
+    with pytest.raises(CheckpointFileError) as info:
+        _common_state(str(tmp_path), {"common": {}, "scheduler": {}, "loss_scale": bad})
+    assert "common.pt" in str(info.value) and "'loss_scale'" in str(info.value)

@@ -126,6 +126,10 @@ class LoraAdapter(torch.nn.Module):
         bias: the base's bias when skip_bias_add, else None (bias already added).
     """
 
+    # Set by apply_lora from the adapter's global name (lora/identity.py): the dropout masks'
+    # key stream inside a training step; None (a module used alone) draws keys instead.
+    dropout_stream: Optional[int] = None
+
     def __init__(
         self,
         base_layer: torch.nn.Module,
@@ -290,7 +294,7 @@ class LoraAdapter(torch.nn.Module):
         if p > 0.0 and self.dropout_rows is not None:
             key, rows = self.dropout_rows(input_)  # expert: the layer's key, global row indices
         elif p > 0.0:
-            key = draw_dropout_key(input_.device)
+            key = draw_dropout_key(input_.device, self.dropout_stream)
         return p, key, rows
 
     def _gathers_output(self, args, kwargs) -> bool:

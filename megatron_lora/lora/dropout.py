@@ -27,6 +27,8 @@ that no product overflows (multipliers are below 2^31, values below 2^32).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -45,8 +47,62 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def draw_dropout_key(device: torch.device) -> torch.Tensor:
-    """Two 31-bit integers (int64 [2]) from `device`'s default generator: one forward's key."""
+# The name under which the current micro-batch's keying sits in megatron's RNG tracker (see
+# set_micro_batch_key). The tracker is the carrier because activation recomputation saves its
+# states with a checkpointed forward and restores them before recomputing it.
+MICRO_BATCH_KEY = "megatron-lora-dropout-key"
+
+
+def set_micro_batch_key(seed: int, iteration: int, micro_batch: int) -> None:
+    """Key the masks of every adapter with a dropout stream by (seed, iteration, micro_batch).
+
+    `micro_batch` is the GLOBAL index of the micro-batch (over data-parallel replicas: replica d
+    of D, holding the global batch's contiguous share d, numbers its i-th d * per_replica + i),
+    so a micro-batch gets the same masks at every layout. Called by the training step before
+    each micro-batch's forward on every pipeline stage. Stored: int64 [3] = (the iteration's key
+    [2], micro_batch)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    seed = int(seed) & ((1 << 64) - 1)
+    key = _mix32((torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64) + _GOLDEN)
+                 & _MASK32)
+    key = sub_key(key, int(iteration))
+    state = torch.cat([key, torch.tensor([int(micro_batch)], dtype=torch.int64)])
+    mrandom.get_cuda_rng_tracker().states_[MICRO_BATCH_KEY] = state
+
+
+def clear_micro_batch_key() -> None:
+    """Back to keys drawn from the default generator (after a training step)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.get_cuda_rng_tracker().states_.pop(MICRO_BATCH_KEY, None)
+
+
+def micro_batch_keying(device: torch.device, stream: int):
+    """(int64 [2] the key of `stream` for this ITERATION, the global micro-batch index) inside a
+    training step, else None. Experts use it: rows of several micro-batches (other replicas',
+    under EP) meet in one expert call, so their masks are told apart by global token index
+    (micro_batch * tokens per micro-batch + position), not by key."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    state = mrandom.get_cuda_rng_tracker().states_.get(MICRO_BATCH_KEY)
+    if state is None:
+        return None
+    return sub_key(state[:2].to(device), stream), int(state[2])
+
+
+def draw_dropout_key(device: torch.device, stream: Optional[int] = None) -> torch.Tensor:
+    """int64 [2]: one forward's key.
+
+    With a `stream` (the adapter's, lora/identity.py: dropout_stream) inside a training step: a
+    pure function of (seed, iteration, global micro-batch, adapter), whatever the layout, the
+    pipeline stage or the tensor-parallel RNG fork the forward runs in. Otherwise two 31-bit
+    integers drawn from `device`'s default generator (a module used on its own)."""
+    if stream is not None:
+        keying = micro_batch_keying(device, stream)
+        if keying is not None:
+            key, micro_batch = keying
+            return sub_key(key, micro_batch)
     return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=device)
 
 

@@ -34,8 +34,11 @@ def unstride(parts: list, dim: int, stride: int) -> torch.Tensor:
 
 @torch.no_grad()
 def global_factors(adapter) -> tuple:
-    """(A, B) global, detached, on every rank of the adapter's group (collective)."""
-    g = adapter.geometry
+    """(A, B) global, detached, on every rank of the adapter's group (collective; the router's
+    pair is replicated, global = local: no collective)."""
+    g = getattr(adapter, "geometry", None)
+    if g is None:  # RouterLora: A [r, h], B [E, r] on every rank
+        return adapter.lora_A.detach().clone(), adapter.lora_B.detach().clone()
     a, b = adapter.lora_A.detach(), adapter.lora_B.detach()
     if g.tp_size == 1:
         return a.clone(), b.clone()

@@ -19,6 +19,13 @@ def adapter_seed(base_seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def dropout_stream(name: str) -> int:
+    """A 31-bit dropout key stream from an adapter's global name (lora/dropout.py: sub_key):
+    the same adapter gets the same masks at every layout."""
+    digest = hashlib.sha256(f"dropout:{name}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 def global_layer_prefix(layer) -> str:
     """`decoder.layers.{L}` for a megatron TransformerLayer (layer_number is 1-based, global)."""
     return f"decoder.layers.{layer.layer_number - 1}"

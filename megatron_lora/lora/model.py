@@ -24,7 +24,7 @@ from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.embedding import EmbeddingLora, wrap_embedding, wrap_output_layer
 from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
-from megatron_lora.lora.identity import adapter_seed, global_layer_prefix
+from megatron_lora.lora.identity import adapter_seed, dropout_stream, global_layer_prefix
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
 from megatron_lora.lora.trainable_tokens import (DELTA as TOKENS_DELTA, check_token_ids,
                                                  wrap_trainable_tokens)
@@ -358,13 +358,19 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
             for adapter in wrap_experts(parent.experts, config.adapter_config, prefix=name,
                                         seed_for=seed_for, targets=targets, moe_layer=parent):
                 adapters[adapter.global_name] = adapter
+            route = getattr(parent.experts, "token_route", None)
+            if route is not None:  # one key per MoE layer forward, sub-keyed per expert
+                route.stream = dropout_stream(name)
         elif kind == "router":
             adapters[name] = wrap_router(parent.router, config.adapter_config(name),
                                          seed=seed_for(name))
+            adapters[name].dropout_stream = dropout_stream(name)
         else:
             wrap = {"embedding": wrap_embedding, "output_layer": wrap_output_layer}.get(
                 kind, LoraAdapter)
             adapter = wrap(getattr(parent, attr), config.adapter_config(name), seed=seed_for(name))
+            if isinstance(adapter, LoraAdapter):
+                adapter.dropout_stream = dropout_stream(name)
             setattr(parent, attr, adapter)
             adapters[name] = adapter
     if config.trainable_token_indices:

@@ -21,6 +21,7 @@ x A^T is computed in the activation dtype; the up-projection runs in the router 
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -39,6 +40,8 @@ class RouterLora(WeightDeltaMerge, torch.nn.Module):
     lora_A [r, h], lora_B [E, r] (global = local). forward(input_, logits) -> adapted logits
     [tokens, E] in the logits' dtype.
     """
+
+    dropout_stream: Optional[int] = None  # as LoraAdapter's (set by apply_lora)
 
     def __init__(self, router: torch.nn.Module, config: AdapterConfig, *, seed: int):
         super().__init__()
@@ -74,7 +77,7 @@ class RouterLora(WeightDeltaMerge, torch.nn.Module):
             return logits
         router = self.router
         p = self.config.dropout if self.training else 0.0
-        key = draw_dropout_key(input_.device) if p > 0.0 else None
+        key = draw_dropout_key(input_.device, self.dropout_stream) if p > 0.0 else None
         offset = 0
         if bool(getattr(router.config, "sequence_parallel", False)):
             # This rank's tokens start at tp_rank * local tokens of the global sequence.

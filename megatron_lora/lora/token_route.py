@@ -2,15 +2,17 @@
 
 Inside an expert the rows are the dispatcher's permuted tokens: their order depends on EP,
 expert-TP, TP and the dispatcher. A dropout mask of (key, global token, global feature) needs
-each row's global token index: its position in this data-parallel replica's [s, b] batch,
-flattened sequence-major (under SP this rank's tokens start at tp_rank * local tokens, as for the
-dense adapters). `attach_token_route(moe_layer, experts, adapters)` sends that index through the
+each row's global token index: micro-batch * tokens per micro-batch + its position in the
+micro-batch's [s, b], flattened sequence-major (under SP this rank's tokens start at tp_rank *
+local tokens, as for the dense adapters); the micro-batch is the global one of the rank that sent
+the row (lora/dropout.py: micro_batch_keying; 0 outside a training step), since under EP an
+expert receives rows of other data-parallel replicas' micro-batches. `attach_token_route(moe_layer, experts, adapters)` sends that index through the
 layer's own dispatcher, on this layer instance only (nothing in megatron is patched):
 
 - the dispatcher's `dispatch_preprocess` is wrapped on the instance. When the experts train with
-  dropout it first draws the layer's dropout key (one draw per layer forward on every rank, so
-  the generator stays in step everywhere), then runs the index tensor ([local tokens, 1], fp32:
-  exact below 2^24 tokens per replica) through the dispatcher's own public pipeline,
+  dropout it first takes the layer's dropout key (the iteration's, for the experts' stream, in a
+  training step; else one draw), then runs the (position, micro-batch) tensor ([local tokens, 2],
+  fp32: each exact below 2^24) through the dispatcher's own public pipeline,
   dispatch_preprocess -> token_dispatch -> dispatch_postprocess, on a shallow copy of the
   dispatcher (same groups and config, its own per-call state, so the real dispatch is untouched);
   the result lines up with the experts' input rows;
@@ -20,7 +22,7 @@ layer's own dispatcher, on this layer instance only (nothing in megatron is patc
   indices and key from `experts.token_route`).
 
 Cost, only in training with dropout > 0 on the layer's experts: one more dispatch of a
-[tokens, 1] fp32 tensor (4 bytes per token and expert slot), which through megatron's public
+[tokens, 2] fp32 tensor (8 bytes per token and expert slot), which through megatron's public
 pipeline also moves that dispatch's probabilities and metadata again: allgather dispatcher
 (over the TP x EP group) the routing map and probs, [T, E] x (1 + 4) bytes gathered;
 alltoall dispatcher 4 bytes of probs per slot and its token-count exchange. Forward only, no
@@ -45,7 +47,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron_lora.lora.dropout import draw_dropout_key, expert_keys
+from megatron_lora.lora.dropout import draw_dropout_key, expert_keys, micro_batch_keying
 
 _EXACT_FP32 = 2**24
 
@@ -57,6 +59,7 @@ class TokenRoute:
         self.num_local = num_local_experts
         self.first_expert = first_expert
         self.key: Optional[torch.Tensor] = None
+        self.stream: Optional[int] = None  # the experts' dropout key stream (set by apply_lora)
         self.ids: Optional[torch.Tensor] = None  # int64 [rows], dispatcher order
         self.split: Optional[List[torch.Tensor]] = None  # per local expert, this call
 
@@ -88,19 +91,29 @@ def local_token_index(moe_layer, hidden_states: torch.Tensor) -> torch.Tensor:
     return torch.arange(offset, offset + n, dtype=torch.int64, device=hidden_states.device)
 
 
-def dispatch_token_index(dispatcher, hidden_states, routing_map, probs, index) -> torch.Tensor:
-    """`index` (int64 [local tokens]) through `dispatcher`'s pipeline, on a shallow copy of it:
-    int64 [rows], the index of each row the experts receive, in their order."""
+def dispatch_token_index(dispatcher, hidden_states, routing_map, probs, index,
+                         micro_batch: int = 0, tokens_per_micro_batch: int = 0) -> torch.Tensor:
+    """`index` (int64 [local tokens], positions in this micro-batch) through `dispatcher`'s
+    pipeline, on a shallow copy of it: int64 [rows], the global token index of each row the
+    experts receive, in their order: micro_batch * tokens_per_micro_batch + position, where
+    `micro_batch` is the sending rank's global micro-batch (under EP an expert receives rows of
+    other replicas' micro-batches). (position, micro_batch) travel as two fp32 columns, each
+    exact below 2^24."""
     twin = copy.copy(dispatcher)
     twin.__dict__.pop("dispatch_preprocess", None)  # the instance wrapper: use the class method
     if hasattr(twin, "shared_experts"):
         twin.shared_experts = None  # no shared-expert side work for the index
-    values = index.to(torch.float32).reshape(tuple(hidden_states.shape[:-1]) + (1,))
+    if micro_batch >= _EXACT_FP32:
+        raise ValueError(f"expert LoRA dropout: micro-batch index {micro_batch} exceeds 2^24")
+    values = torch.stack([index.to(torch.float32), torch.full_like(index, micro_batch,
+                                                                   dtype=torch.float32)], dim=-1)
+    values = values.reshape(tuple(hidden_states.shape[:-1]) + (2,))
     with torch.no_grad():
         h, p = twin.dispatch_preprocess(values, routing_map, probs.detach())
         h, p = twin.token_dispatch(h, p)
         rows, _, _ = twin.dispatch_postprocess(h, p)
-    return rows.reshape(-1).round().to(torch.int64)
+    rows = rows.reshape(-1, 2).round().to(torch.int64)
+    return rows[:, 1] * int(tokens_per_micro_batch) + rows[:, 0]
 
 
 def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> TokenRoute:
@@ -125,17 +138,22 @@ def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> Toke
         route.key = route.ids = route.split = None
         if needs_route():
             layer = layer_ref()
-            route.key = draw_dropout_key(hidden_states.device)
             index = local_token_index(layer, hidden_states)
             bound = (index.numel() * layer.router.tp_group.size()
                      if bool(getattr(layer.config, "sequence_parallel", False)) else index.numel())
             if bound > _EXACT_FP32:
                 raise ValueError(
-                    f"expert LoRA dropout: {bound} tokens per replica exceed the 2^24 that the "
-                    "fp32 token index carries exactly"
+                    f"expert LoRA dropout: {bound} tokens per micro-batch exceed the 2^24 that "
+                    "the fp32 token index carries exactly"
                 )
+            keying = (None if route.stream is None
+                      else micro_batch_keying(hidden_states.device, route.stream))
+            if keying is None:  # outside a training step: one drawn key, this call's tokens
+                route.key, micro_batch = draw_dropout_key(hidden_states.device), 0
+            else:  # the iteration's key; rows told apart by their global token index
+                route.key, micro_batch = keying
             route.ids = dispatch_token_index(
-                dispatcher_ref(), hidden_states, routing_map, probs, index)
+                dispatcher_ref(), hidden_states, routing_map, probs, index, micro_batch, bound)
         return base_preprocess(dispatcher_ref(), hidden_states, routing_map, probs, *args,
                                **kwargs)
 

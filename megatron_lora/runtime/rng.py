@@ -63,6 +63,8 @@ def seed_everything(seed: int) -> None:
 
     import numpy as np
 
+    global _SEED
+    _SEED = int(seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -73,3 +75,11 @@ def seed_everything(seed: int) -> None:
         mrandom.model_parallel_cuda_manual_seed(seed)
     else:
         mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+_SEED = 1234  # seed_everything's (runtime.initialize's default)
+
+
+def run_seed() -> int:
+    """The seed of the last seed_everything (runtime.initialize), the same on every rank."""
+    return _SEED

@@ -175,7 +175,8 @@ def train(
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         loss = forward_backward(wrapped, batch.tokens, batch.labels, batch.loss_mask,
-                                batch.attention_mask, micro_batch_size=run.micro_batch_size)
+                                batch.attention_mask, micro_batch_size=run.micro_batch_size,
+                                iteration=iteration + 1)
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise FloatingPointError(f"iteration {iteration + 1}: optimizer step skipped "

@@ -16,6 +16,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_lora.lora.dropout import clear_micro_batch_key, set_micro_batch_key
+from megatron_lora.runtime.rng import run_seed
+
 
 def data_parallel_slice(batch: torch.Tensor) -> torch.Tensor:
     """This DP rank's contiguous share of a global batch [B, ...] (B divisible by DP)."""
@@ -38,8 +41,10 @@ def _loss_func(loss_mask: torch.Tensor, global_tokens: float, output_tensor: tor
     return total / global_tokens, count.to(torch.int), report
 
 
-def _forward_step(global_tokens: float, data_iterator, model):
-    tokens, labels, loss_mask, attention_mask = next(data_iterator)
+def _forward_step(global_tokens: float, iteration: int, data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, micro_batch = next(data_iterator)
+    # On every stage, before this micro-batch's forward: its LoRA dropout key (lora/dropout.py).
+    set_micro_batch_key(run_seed(), iteration, micro_batch)
     seq = tokens.shape[1]
     position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
     output = model(tokens, position_ids, attention_mask=attention_mask, labels=labels)
@@ -68,6 +73,7 @@ def forward_backward(
     *,
     micro_batch_size: int = 1,
     forward_only: bool = False,
+    iteration: int = 0,
 ) -> torch.Tensor:
     """Run forward (and backward) over this DP rank's share of the global batch.
 
@@ -77,6 +83,8 @@ def forward_backward(
     gradient of (sum of this DP rank's token losses) / (tokens in the global batch); summing them
     over DP gives the gradient of the global mean loss.
     Returns the global mean token loss (a float32 scalar), identical on every rank.
+    LoRA dropout masks are keyed by (run seed, `iteration`, global micro-batch index, adapter),
+    so the same global batch drops the same elements at every layout.
     """
     if loss_mask is None:
         loss_mask = torch.ones_like(tokens, dtype=torch.float32)
@@ -89,10 +97,14 @@ def forward_backward(
             f"{micro_batch_size}"
         )
     num_micro = tokens.shape[0] // micro_batch_size
+    # This replica holds the global batch's contiguous share dp_rank: its i-th micro-batch is
+    # the global batch's (dp_rank * num_micro + i)-th at every layout.
+    first = parallel_state.get_data_parallel_rank() * num_micro
     micro = [
         (tokens[i : i + micro_batch_size], labels[i : i + micro_batch_size],
          loss_mask[i : i + micro_batch_size],
-         None if attention_mask is None else attention_mask[i : i + micro_batch_size])
+         None if attention_mask is None else attention_mask[i : i + micro_batch_size],
+         first + i // micro_batch_size)
         for i in range(0, tokens.shape[0], micro_batch_size)
     ]
     config = model_chunks[0].config
@@ -103,15 +115,18 @@ def forward_backward(
         )
     global_tokens = _global_count(loss_mask)
     forward_backward_func = get_forward_backward_func()
-    reduced = forward_backward_func(
-        forward_step_func=partial(_forward_step, global_tokens),
-        data_iterator=iter(micro),
-        model=list(model_chunks),
-        num_microbatches=num_micro,
-        seq_length=tokens.shape[1],
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    try:
+        reduced = forward_backward_func(
+            forward_step_func=partial(_forward_step, global_tokens, iteration),
+            data_iterator=iter(micro),
+            model=list(model_chunks),
+            num_microbatches=num_micro,
+            seq_length=tokens.shape[1],
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+    finally:
+        clear_micro_batch_key()
     return _global_mean(reduced)
 
 

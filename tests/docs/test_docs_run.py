@@ -67,7 +67,8 @@ OUTPUTS = {
                      "Mixtral-merged/config.json", "logits.safetensors", "completions.jsonl",
                      "imported/metadata.json"],
     "docs/training.md": ["runs/lora/iter_0000010", "runs/lora/loss_curve.png", "runs/tb",
-                         "data/train.idx", "data/train_targets.idx", "runs/indexed/iter_0000002"],
+                         "data/train.idx", "data/train_targets.idx", "runs/indexed/iter_0000002",
+                         "runs/chat/tokenizer/tokenizer.json", "chat-peft/adapter_config.json"],
     "docs/lora.md": ["dora-adapter/adapter_config.json", "Mixtral-dora-merged/config.json"],
     "docs/index.md": ["parity"],
 }
@@ -108,6 +109,10 @@ def test_docs_page_commands_run_as_written(page, page_runs):
         (line,) = open(tmp_path / "completions.jsonl").read().splitlines()
         out = json.loads(line)
         assert out["prompt"] == "The capital of France is" and 1 <= len(out["token_ids"]) <= 16
+    if page == "docs/training.md":
+        config = json.load(open(tmp_path / "chat-peft/adapter_config.json"))
+        assert set(config["trainable_token_indices"]) == {"embed_tokens", "lm_head"}, config
+        assert len(config["trainable_token_indices"]["embed_tokens"]) == 2, config
     if page == "docs/lora.md":
         assert json.load(open(tmp_path / "dora-adapter/adapter_config.json"))["use_dora"] is True
     if page == "docs/index.md":

@@ -19,8 +19,13 @@ from tests.training import _support as S
 # the data-parallel ranks) at step 7, and the loss falls by ~0.24 (the check asks for 0.1).
 STEPS = 8
 SAMPLES = 24
-LORA = LoraConfig(r=4, lora_alpha=8, seed=11,
-                  target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+# Dropout 0.1 on every adapter kind (attention, router, experts): the masks are keyed by (seed,
+# iteration, global micro-batch, adapter), so every layout drops the same elements
+# (lora/dropout.py); with keys drawn from the generators (the tensor-parallel RNG fork under SP,
+# per-stage draws under PP, shared draws over DP) the step-2 losses already differ by ~1e-3.
+LORA = LoraConfig(r=4, lora_alpha=8, seed=11, lora_dropout=0.1,
+                  target_modules=["linear_qkv", "linear_proj", "router", "linear_fc1",
+                                  "linear_fc2"])
 
 
 def _lora_model(layout, weights=None):

@@ -8,8 +8,9 @@ recomputation, then with full/uniform, full/block and selective (core_attn + moe
 from the same weights and the same RNG states. Loss and the gradient of every adapter parameter
 on every rank must agree to rtol 1e-6. Every adapter's gradient is non-zero (a frozen embedding
 would leave the first checkpointed chunk without any, see models/recompute.py), each run
-recomputes exactly the expected number of regions, and a control run whose recomputation does
-not restore the RNG states (fresh dropout keys in the recomputed forward) is far off.
+recomputes exactly the expected number of regions, and a control run whose recomputation restores
+another LoRA dropout key (lora/dropout.py keeps the micro-batch's key in megatron's RNG tracker,
+which recomputation saves and restores) is far off.
 """
 
 import argparse
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import random as mrandom
 
+from megatron_lora.lora.dropout import MICRO_BATCH_KEY
 from megatron_lora.lora.model import LoraConfig, apply_lora
 from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
 from megatron_lora.models.recompute import (
@@ -81,10 +83,19 @@ def _counting_recomputations(counter):
 
 
 @contextlib.contextmanager
-def _rng_not_restored():
-    """The control: recomputation runs from whatever the generators hold at backward time."""
+def _other_masks_when_recomputing():
+    """The control: recomputation restores the RNG states, but with another LoRA micro-batch key
+    (lora/dropout.py) in the tracker's, so the recomputed forward draws other dropout masks."""
     real = mrandom._set_all_rng_states
-    mrandom._set_all_rng_states = lambda *states: None
+
+    def restore(cpu, cuda, tracker):
+        tracker = dict(tracker)
+        key = tracker.get(MICRO_BATCH_KEY)
+        if key is not None:
+            tracker[MICRO_BATCH_KEY] = key + torch.tensor([1, 0, 0])
+        return real(cpu, cuda, tracker)
+
+    mrandom._set_all_rng_states = restore
     try:
         yield
     finally:
@@ -158,9 +169,9 @@ def test_recomputed_gradients_equal_those_without(layout, world_size, dispatcher
                                        msg=f"{name}: gradient of {n}")
         assert _worst(grads, ref) <= 2 * RTOL
 
-    # Control: recomputing with fresh dropout keys (RNG states not restored) is far off.
+    # Control: a recomputed forward with other dropout masks than its forward is far off.
     _, grads, _, count = _run(layout, dispatcher, lora, weights, rng_states,
-                              RECOMPUTE["full_uniform"], wrap=_rng_not_restored)
+                              RECOMPUTE["full_uniform"], wrap=_other_masks_when_recomputing)
     assert count > 0
     assert _worst(grads, ref) > 1000 * RTOL
 

@@ -46,9 +46,22 @@ def optim(iters=5) -> OptimConfig:
 def global_adapters(adapters) -> dict:
     """{global name.A/B: the adapter's global factor} (gathered over its TP / expert-TP group;
     each rank has the adapters of its own pipeline stage and experts)."""
+    import torch.distributed as dist
+
     from megatron_lora.lora import global_factors
+    from megatron_lora.lora.gather import unstride
+    from megatron_lora.lora.parallel import COLUMN
 
     out = {}
     for name, ad in adapters.items():
         out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
+        m = getattr(ad, "magnitude", None)
+        if m is not None:  # DoRA: [out] sharded like B's rows (column base), else replicated
+            g = ad.geometry
+            m = m.detach()
+            if g.mode == COLUMN and g.tp_size > 1:
+                parts = [torch.empty_like(m) for _ in range(g.tp_size)]
+                dist.all_gather(parts, m.contiguous(), group=g.tp_group)
+                m = unstride(parts, 0, g.stride)
+            out[f"{name}.m"] = m.clone()
     return out

@@ -26,8 +26,8 @@ from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.identity import adapter_seed, dropout_stream, global_layer_prefix
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
-from megatron_lora.lora.trainable_tokens import (DELTA as TOKENS_DELTA, check_token_ids,
-                                                 wrap_trainable_tokens)
+from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA
+from megatron_lora.lora.trainable_tokens import model_token_problems, wrap_model_tokens
 
 
 _DORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -296,7 +296,7 @@ def validate_for_model(model, config: LoraConfig) -> None:
                 )
                 break
     problems += config_problems(config, tconf, m.vocab_size)
-    problems += _token_problems(m, config)
+    problems += model_token_problems(m, config.trainable_token_indices)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -374,46 +374,12 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
             setattr(parent, attr, adapter)
             adapters[name] = adapter
     if config.trainable_token_indices:
-        adapters.update(_wrap_tokens(m, config))
+        adapters.update(wrap_model_tokens(m, config.trainable_token_indices, config.dtype))
     trainable, total = count_parameters(m)
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
               f"trainable%: {100.0 * trainable / max(total, 1):.4f}")
     return adapters
-
-
-def _token_problems(m, config: LoraConfig) -> List[str]:
-    """Trainable-token problems every rank finds alike (stages without an embedding too)."""
-    from megatron.core import parallel_state
-
-    ids = config.trainable_token_indices
-    if not ids:
-        return []
-    try:
-        check_token_ids(ids, m.vocab_size, "padded vocabulary")
-    except ValueError as exc:
-        return [str(exc)]
-    if (getattr(m, "share_embeddings_and_output_weights", False)
-            and parallel_state.get_pipeline_model_parallel_world_size() > 1):
-        return ["trainable tokens (--add-special-tokens) with tied embeddings need the embedding "
-                "and the output layer on one pipeline stage: use PP=1 or untied embeddings"]
-    return []
-
-
-def _wrap_tokens(m, config: LoraConfig) -> Dict[str, torch.nn.Module]:
-    """Trainable tokens on this stage's word embedding and output layer (trainable_tokens.py)."""
-    embedding = getattr(m, "embedding", None)
-    word = getattr(embedding, "word_embeddings", None)
-    output = m.output_layer if getattr(m, "post_process", False) else None
-    emb, out = wrap_trainable_tokens(
-        word, output, config.trainable_token_indices, dtype=config.dtype,
-        tied=bool(getattr(m, "share_embeddings_and_output_weights", False)))
-    wrapped = {}  # keyed apart from LoRA adapters: these hold rows, not factors
-    if emb is not None:
-        embedding.word_embeddings = wrapped["embedding.trainable_tokens"] = emb
-    if out is not None:
-        m.output_layer = wrapped["output_layer.trainable_tokens"] = out
-    return wrapped
 
 
 def _is_expert(p) -> bool:

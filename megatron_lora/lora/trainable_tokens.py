@@ -281,5 +281,42 @@ def wrap_trainable_tokens(embedding, output_layer, token_ids, *, tied: bool, dty
     return emb, out
 
 
+def model_token_problems(model, ids) -> list:
+    """Trainable-token problems of a GPT model that every rank finds alike (stages without an
+    embedding too): ids outside the padded vocabulary, tied embeddings over pipeline stages."""
+    from megatron.core import parallel_state
+
+    if not ids:
+        return []
+    try:
+        check_token_ids(ids, model.vocab_size, "padded vocabulary")
+    except ValueError as exc:
+        return [str(exc)]
+    if (getattr(model, "share_embeddings_and_output_weights", False)
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        return ["trainable tokens (--add-special-tokens) with tied embeddings need the embedding "
+                "and the output layer on one pipeline stage: use PP=1 or untied embeddings"]
+    return []
+
+
+def wrap_model_tokens(model, ids, dtype=None) -> dict:
+    """Trainable tokens on this stage's word embedding and output layer of a GPT model, in
+    place; {"embedding.trainable_tokens" / "output_layer.trainable_tokens": wrapper} (keyed apart
+    from LoRA adapters: these hold rows, not factors)."""
+    embedding = getattr(model, "embedding", None)
+    word = getattr(embedding, "word_embeddings", None)
+    output = model.output_layer if getattr(model, "post_process", False) else None
+    emb, out = wrap_trainable_tokens(
+        word, output, ids, dtype=dtype,
+        tied=bool(getattr(model, "share_embeddings_and_output_weights", False)))
+    wrapped = {}
+    if emb is not None:
+        embedding.word_embeddings = wrapped["embedding.trainable_tokens"] = emb
+    if out is not None:
+        model.output_layer = wrapped["output_layer.trainable_tokens"] = out
+    return wrapped
+
+
 __all__ = ["DELTA", "TrainableTokensEmbedding", "TrainableTokensOutput", "check_token_ids",
-           "info_for_tokens", "served_vocab", "wrap_trainable_tokens"]
+           "info_for_tokens", "model_token_problems", "served_vocab", "wrap_model_tokens",
+           "wrap_trainable_tokens"]

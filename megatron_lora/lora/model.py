@@ -25,6 +25,8 @@ from megatron_lora.lora.embedding import EmbeddingLora, wrap_embedding, wrap_out
 from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.identity import adapter_seed, dropout_stream, global_layer_prefix
+from megatron_lora.lora.prefix import ENCODER as PREFIX_ENCODER
+from megatron_lora.lora.prefix import apply_prefix, prefix_problems
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
 from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA
 from megatron_lora.lora.trainable_tokens import model_token_problems, wrap_model_tokens
@@ -57,6 +59,11 @@ class LoraConfig:
     trainable_token_indices: token ids whose embedding and output-layer rows are trained
         (PEFT's `trainable_token_indices`, train --add-special-tokens; lora/trainable_tokens.py);
         not combinable with LoRA on embedding / output_layer.
+    num_virtual_tokens: > 0 makes this a prefix-tuning config (PEFT's PREFIX_TUNING, train
+        --peft-type prefix; lora/prefix.py): that many learned key/value pairs per layer, and
+        target_modules must be empty (PEFT loads one adapter type per adapter).
+    prefix_projection, encoder_hidden_size: PEFT's; the prefix comes from a shared two-layer MLP
+        of hidden size encoder_hidden_size (None: groups x head_dim, PEFT's default).
     """
 
     r: int = 8
@@ -72,9 +79,14 @@ class LoraConfig:
     dtype: Optional[torch.dtype] = None
     use_dora: bool = False
     trainable_token_indices: Tuple[int, ...] = ()
+    num_virtual_tokens: int = 0
+    prefix_projection: bool = False
+    encoder_hidden_size: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", lora_dtype(self.dtype))
+        if self._prefix_post_init():
+            return
         tokens = tuple(int(i) for i in (self.trainable_token_indices or ()))
         object.__setattr__(self, "trainable_token_indices", tokens)
         both = [t for t in ("embedding", "output_layer") if t in normalize_targets(
@@ -100,6 +112,54 @@ class LoraConfig:
         for r in [self.r, *self.rank_pattern.values()]:
             for alpha in [self.lora_alpha, *self.alpha_pattern.values()]:
                 self._adapter_config(r, alpha)
+
+    @property
+    def peft_type(self) -> str:
+        """PEFT's name of this config's method: "PREFIX_TUNING" or "LORA"."""
+        return "PREFIX_TUNING" if self.num_virtual_tokens else "LORA"
+
+    def _prefix_post_init(self) -> bool:
+        """Validates the prefix-tuning fields; True when this is a prefix-tuning config."""
+        n = self.num_virtual_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"LoraConfig.num_virtual_tokens (--num-virtual-tokens) must be an "
+                             f"integer >= 0, got {n!r}")
+        if not isinstance(self.prefix_projection, bool):
+            raise ValueError(f"LoraConfig.prefix_projection must be a bool, got "
+                             f"{self.prefix_projection!r}")
+        hidden = self.encoder_hidden_size
+        if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int)
+                                   or hidden < 1):
+            raise ValueError(f"LoraConfig.encoder_hidden_size (--prefix-encoder-hidden-size) "
+                             f"must be a positive integer or None, got {hidden!r}")
+        if not n:
+            if self.prefix_projection or hidden is not None:
+                raise ValueError("LoraConfig.prefix_projection / encoder_hidden_size need "
+                                 "num_virtual_tokens > 0 (--peft-type prefix)")
+            return False
+        if hidden is not None and not self.prefix_projection:
+            raise ValueError("LoraConfig.encoder_hidden_size (--prefix-encoder-hidden-size) "
+                             "needs prefix_projection (--prefix-projection)")
+        targets = self.target_modules
+        targets = [targets] if isinstance(targets, str) else list(targets or ())
+        if targets or self.use_dora or self.trainable_token_indices:
+            extra = [name for name, on in (("target_modules", bool(targets)),
+                                            ("use_dora", self.use_dora),
+                                            ("trainable_token_indices",
+                                             bool(self.trainable_token_indices))) if on]
+            raise ValueError(
+                f"LoraConfig.num_virtual_tokens (prefix tuning, --peft-type prefix) cannot be "
+                f"combined with {', '.join(extra)}: PEFT loads one adapter type per adapter, so "
+                f"such a run could not be exported; pass target_modules=() (train: leave out "
+                f"--lora-target-modules, --lora-use-dora and --add-special-tokens)")
+        if self.rank_pattern or self.alpha_pattern:
+            raise ValueError("LoraConfig.rank_pattern / alpha_pattern are LoRA settings; prefix "
+                             "tuning (num_virtual_tokens > 0) takes none")
+        object.__setattr__(self, "target_modules", ())
+        object.__setattr__(self, "trainable_token_indices", ())
+        object.__setattr__(self, "rank_pattern", {})
+        object.__setattr__(self, "alpha_pattern", {})
+        return True
 
     def _adapter_config(self, r, alpha) -> AdapterConfig:
         try:
@@ -132,6 +192,10 @@ class LoraConfig:
             **({"use_dora": True} if self.use_dora else {}),
             **({"trainable_token_indices": list(self.trainable_token_indices)}
                if self.trainable_token_indices else {}),
+            **({"num_virtual_tokens": self.num_virtual_tokens,
+                "prefix_projection": self.prefix_projection,
+                "encoder_hidden_size": self.encoder_hidden_size}
+               if self.num_virtual_tokens else {}),
         }
 
 
@@ -295,7 +359,10 @@ def validate_for_model(model, config: LoraConfig) -> None:
                     f"has {type(layer.mlp.experts).__name__} (build it with moe_grouped_gemm=False)"
                 )
                 break
-    problems += config_problems(config, tconf, m.vocab_size)
+    if config.num_virtual_tokens:
+        problems += prefix_problems(m, config)
+    else:
+        problems += config_problems(config, tconf, m.vocab_size)
     problems += model_token_problems(m, config.trainable_token_indices)
     if problems:
         raise ValueError("; ".join(problems))
@@ -375,6 +442,8 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
             adapters[name] = adapter
     if config.trainable_token_indices:
         adapters.update(wrap_model_tokens(m, config.trainable_token_indices, config.dtype))
+    if config.num_virtual_tokens:
+        adapters.update(apply_prefix(m, config))
     trainable, total = count_parameters(m)
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
@@ -427,7 +496,8 @@ def get_adapter_params(model) -> Dict[str, torch.nn.Parameter]:
     """{local name: parameter} of every LoRA factor of this rank's model."""
     return {n: p for n, p in _unwrap(model).named_parameters()
             if n.endswith("lora_A") or n.endswith("lora_B") or ".lora_" in n
-            or n.endswith(TOKENS_DELTA)}
+            or n.endswith(TOKENS_DELTA) or n.rsplit(".", 1)[-1].startswith("prefix_")
+            or n.startswith(f"{PREFIX_ENCODER}.")}
 
 
 def set_trainable_params(model, names) -> None:

@@ -61,6 +61,10 @@ def finalize_pre_normalised_grads(model_chunks, num_tokens=None, **kwargs):
     """
     from megatron.core.distributed import finalize_model_grads
 
+    from megatron_lora.lora.prefix import reduce_shared_prefix_grads
+
+    # Prefix tuning's replicated projection (lora/prefix.py): summed over TP x PP before DP.
+    reduce_shared_prefix_grads(model_chunks)
     return finalize_model_grads(model_chunks, None, **kwargs)
 
 

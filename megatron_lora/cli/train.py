@@ -172,6 +172,21 @@ def add_arguments(p) -> None:
     lo.add_argument("--lora-alpha-pattern", nargs="+", default=[], type=_alpha_pattern,
                     metavar="REGEX=A", help="alpha A instead of --lora-alpha for the adapters "
                     "whose global name REGEX matches (re.search), e.g. router=8")
+    pt = p.add_argument_group("prefix tuning")
+    pt.add_argument("--peft-type", choices=("lora", "prefix"), default="lora",
+                    help="lora: LoRA on --lora-target-modules; prefix: prefix tuning (PEFT's "
+                    "PREFIX_TUNING): --num-virtual-tokens learned keys/values per layer that "
+                    "every token attends to, exported as PEFT's prefix adapter; not combinable "
+                    "with the --lora-* adapter flags or --add-special-tokens (PEFT loads one "
+                    "adapter type per adapter)")
+    pt.add_argument("--num-virtual-tokens", type=int, default=None, metavar="N",
+                    help="with --peft-type prefix: the prefix length (PEFT's num_virtual_tokens)")
+    pt.add_argument("--prefix-projection", action="store_true",
+                    help="with --peft-type prefix: the prefix comes from a two-layer MLP shared "
+                    "by all layers (PEFT's prefix_projection); exported as the projected table")
+    pt.add_argument("--prefix-encoder-hidden-size", type=int, default=None, metavar="N",
+                    help="with --prefix-projection: the MLP's hidden size (PEFT's "
+                    "encoder_hidden_size; default: kv heads x head dim)")
     o = p.add_argument_group("output")
     o.add_argument("--save", default=None, help="adapter checkpoints; a run resumes from the "
                    "newest one found here")

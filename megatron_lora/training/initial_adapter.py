@@ -42,6 +42,8 @@ ADAPTER_SETTINGS = (
     ("lora_dtype", "--lora-dtype", "dtype"),
     ("lora_rank_pattern", "--lora-rank-pattern", "rank_pattern"),
     ("lora_alpha_pattern", "--lora-alpha-pattern", "alpha_pattern"),
+    ("num_virtual_tokens", "--num-virtual-tokens", "num_virtual_tokens"),
+    ("prefix_projection", "--prefix-projection", "prefix_projection"),
 )
 
 
@@ -130,6 +132,10 @@ def set_lora_flags(args, lora) -> None:
         args.lora_dtype = dtype_name(lora.dtype)
     args.lora_rank_pattern = list(lora.rank_pattern.items())
     args.lora_alpha_pattern = list(lora.alpha_pattern.items())
+    args.peft_type = "prefix" if lora.num_virtual_tokens else "lora"
+    args.num_virtual_tokens = lora.num_virtual_tokens or None
+    args.prefix_projection = bool(lora.prefix_projection)
+    args.prefix_encoder_hidden_size = lora.encoder_hidden_size
 
 
 def _base_config_path(args) -> str:

@@ -40,6 +40,9 @@ METADATA_FLAGS = {
     "lora.rank_pattern": "--lora-rank-pattern", "lora.alpha_pattern": "--lora-alpha-pattern",
     "lora.lora_dropout": "--lora-dropout",
     "lora.seed": "--seed", "lora.trainable_token_indices": "--add-special-tokens",
+    "lora.num_virtual_tokens": "--peft-type prefix --num-virtual-tokens",
+    "lora.prefix_projection": "--prefix-projection",
+    "lora.encoder_hidden_size": "--prefix-encoder-hidden-size",
     "vocab_size": "--load/--load-hf", "hidden_size": "--load/--load-hf",
     "num_layers": "--load/--load-hf", "num_experts": "--load/--load-hf",
 }

@@ -52,8 +52,13 @@ def global_adapters(adapters) -> dict:
     from megatron_lora.lora.gather import unstride
     from megatron_lora.lora.parallel import COLUMN
 
+    from megatron_lora.lora.prefix import PrefixAttention, PrefixEncoder
+
     out = {}
     for name, ad in adapters.items():
+        if isinstance(ad, (PrefixAttention, PrefixEncoder)):
+            out.update(_global_prefix(name, ad))
+            continue
         out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
         m = getattr(ad, "magnitude", None)
         if m is not None:  # DoRA: [out] sharded like B's rows (column base), else replicated
@@ -64,4 +69,22 @@ def global_adapters(adapters) -> dict:
                 dist.all_gather(parts, m.contiguous(), group=g.tp_group)
                 m = unstride(parts, 0, g.stride)
             out[f"{name}.m"] = m.clone()
+    return out
+
+
+def _global_prefix(name, module) -> dict:
+    """{global name.param: global tensor} of a prefix module: per-layer parameters gathered over
+    TP on their query-group dim, the shared encoder's as held (replicated)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for pname, p in module.named_parameters(recurse=False):
+        t = p.detach().contiguous()
+        if getattr(p, "tensor_model_parallel", False) and group.size() > 1:
+            parts = [torch.empty_like(t) for _ in range(group.size())]
+            dist.all_gather(parts, t, group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        out[f"{name}.{pname}"] = t.clone()
     return out

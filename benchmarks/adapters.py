@@ -4,16 +4,18 @@
 
 Builds the small Mixtral of benchmarks/train.py (HF safetensors, loaded into megatron-core at
 world size 1, fp32), applies LoRA (r=16, alpha=32, q/k/v/o and every expert's fc1/fc2) and the
-same adapter with DoRA (`use_dora`, train --lora-use-dora), and times one training step
-(forward + backward + AdamW) of each on the same token batches. The two models alternate `--reps`
-times and each keeps its best step, which keeps the ratio meaningful on a shared machine.
+same adapter with DoRA (`use_dora`, train --lora-use-dora) and prefix tuning instead of LoRA
+(`--virtual-tokens` 20 per layer, train --peft-type prefix), and times one training step
+(forward + backward + AdamW) of each on the same token batches. The models alternate `--reps`
+times and each keeps its best step, which keeps the ratios meaningful on a shared machine.
 
 Memory per adapter parameter for each --lora-dtype (fp32, bf16, fp16): the same LoRA built in
 that dtype takes one optimizer step, then the real tensors are measured: the parameters, their
 DDP gradient buffers (`main_grad`), the optimizer's fp32 master copies (half adapters only) and
 Adam's two moments, each as bytes / adapter parameters.
 
-Ends with one JSON line: `dora_over_lora` (target <= 1.3) and the seconds behind it, and
+Ends with one JSON line: `dora_over_lora` (target <= 1.3), `prefix_over_lora` and the seconds
+behind them, and
 `bytes_per_adapter_param` {dtype: {param, grad, master, adam, total}} (target: param 2 for bf16,
 the optimizer's state fp32).
 """
@@ -31,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-def _build(hf_dir: str, use_dora: bool, targets, dtype=None):
+def _build(hf_dir: str, use_dora: bool, targets, dtype=None, virtual_tokens: int = 0):
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
     from megatron_lora.lora.model import LoraConfig, apply_lora
@@ -42,8 +44,12 @@ def _build(hf_dir: str, use_dora: bool, targets, dtype=None):
     info, hf, _ = open_hf(hf_dir)
     model = build_mixtral_model(info, mixtral_config(info, ParallelLayout()))
     load_hf(model, info, hf)
-    apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_dora=use_dora,
-                                 dtype=dtype), verbose=False)
+    if virtual_tokens:  # prefix tuning (train --peft-type prefix), PEFT's defaults otherwise
+        config = LoraConfig(num_virtual_tokens=virtual_tokens, target_modules=(), dtype=dtype)
+    else:
+        config = LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_dora=use_dora,
+                            dtype=dtype)
+    apply_lora(model, config, verbose=False)
     wrapped, optimizer, _ = wrap_for_training([model], OptimConfig(lr=1e-4, train_iters=100,
                                                                     lr_decay_style="constant"))
     return info, wrapped, optimizer
@@ -107,6 +113,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--virtual-tokens", type=int, default=20,
+                   help="prefix length of the prefix-tuning model (PEFT's num_virtual_tokens)")
     p.add_argument("--targets", nargs="+",
                    default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     args = p.parse_args(argv)
@@ -126,19 +134,25 @@ def main(argv=None) -> dict:
         make_model(tmp, args.hidden, args.layers, args.experts, args.vocab)
         info, lora_model, lora_opt = _build(tmp, False, args.targets)
         _, dora_model, dora_opt = _build(tmp, True, args.targets)
+        _, prefix_model, prefix_opt = _build(tmp, False, (), virtual_tokens=args.virtual_tokens)
         data = batches(info.vocab_size, args.batch, args.seq, args.steps)
         per_param = {d: _bytes_per_param(tmp, d, args.targets, data[:1], args.batch)
                      for d in ("fp32", "bf16", "fp16")}
     _step_time(lora_model, lora_opt, data[:1], args.batch)  # warm-up
     _step_time(dora_model, dora_opt, data[:1], args.batch)
-    lora_s = dora_s = float("inf")
+    _step_time(prefix_model, prefix_opt, data[:1], args.batch)
+    lora_s = dora_s = prefix_s = float("inf")
     for _ in range(args.reps):
         lora_s = min(lora_s, _step_time(lora_model, lora_opt, data, args.batch))
         dora_s = min(dora_s, _step_time(dora_model, dora_opt, data, args.batch))
+        prefix_s = min(prefix_s, _step_time(prefix_model, prefix_opt, data, args.batch))
     result = {
         "dora_over_lora": round(dora_s / lora_s, 4),
+        "prefix_over_lora": round(prefix_s / lora_s, 4),
         "lora_step_s": round(lora_s, 4),
         "dora_step_s": round(dora_s, 4),
+        "prefix_step_s": round(prefix_s, 4),
+        "virtual_tokens": args.virtual_tokens,
         "bytes_per_adapter_param": per_param,
         "shape": {"hidden": args.hidden, "layers": args.layers, "experts": args.experts,
                   "tokens": args.batch * args.seq, "rank": 16, "dtype": "float32",

@@ -26,7 +26,7 @@ from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.identity import adapter_seed, dropout_stream, global_layer_prefix
 from megatron_lora.lora.prefix import ENCODER as PREFIX_ENCODER
-from megatron_lora.lora.prefix import apply_prefix, prefix_problems
+from megatron_lora.lora.prefix import apply_prefix, check_prefix_fields, prefix_problems
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
 from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA
 from megatron_lora.lora.trainable_tokens import model_token_problems, wrap_model_tokens
@@ -120,46 +120,7 @@ class LoraConfig:
 
     def _prefix_post_init(self) -> bool:
         """Validates the prefix-tuning fields; True when this is a prefix-tuning config."""
-        n = self.num_virtual_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"LoraConfig.num_virtual_tokens (--num-virtual-tokens) must be an "
-                             f"integer >= 0, got {n!r}")
-        if not isinstance(self.prefix_projection, bool):
-            raise ValueError(f"LoraConfig.prefix_projection must be a bool, got "
-                             f"{self.prefix_projection!r}")
-        hidden = self.encoder_hidden_size
-        if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int)
-                                   or hidden < 1):
-            raise ValueError(f"LoraConfig.encoder_hidden_size (--prefix-encoder-hidden-size) "
-                             f"must be a positive integer or None, got {hidden!r}")
-        if not n:
-            if self.prefix_projection or hidden is not None:
-                raise ValueError("LoraConfig.prefix_projection / encoder_hidden_size need "
-                                 "num_virtual_tokens > 0 (--peft-type prefix)")
-            return False
-        if hidden is not None and not self.prefix_projection:
-            raise ValueError("LoraConfig.encoder_hidden_size (--prefix-encoder-hidden-size) "
-                             "needs prefix_projection (--prefix-projection)")
-        targets = self.target_modules
-        targets = [targets] if isinstance(targets, str) else list(targets or ())
-        if targets or self.use_dora or self.trainable_token_indices:
-            extra = [name for name, on in (("target_modules", bool(targets)),
-                                            ("use_dora", self.use_dora),
-                                            ("trainable_token_indices",
-                                             bool(self.trainable_token_indices))) if on]
-            raise ValueError(
-                f"LoraConfig.num_virtual_tokens (prefix tuning, --peft-type prefix) cannot be "
-                f"combined with {', '.join(extra)}: PEFT loads one adapter type per adapter, so "
-                f"such a run could not be exported; pass target_modules=() (train: leave out "
-                f"--lora-target-modules, --lora-use-dora and --add-special-tokens)")
-        if self.rank_pattern or self.alpha_pattern:
-            raise ValueError("LoraConfig.rank_pattern / alpha_pattern are LoRA settings; prefix "
-                             "tuning (num_virtual_tokens > 0) takes none")
-        object.__setattr__(self, "target_modules", ())
-        object.__setattr__(self, "trainable_token_indices", ())
-        object.__setattr__(self, "rank_pattern", {})
-        object.__setattr__(self, "alpha_pattern", {})
-        return True
+        return check_prefix_fields(self)
 
     def _adapter_config(self, r, alpha) -> AdapterConfig:
         try:

@@ -156,3 +156,50 @@ def test_a_tracker_naming_a_missing_iteration_is_a_clear_error(tiny, tmp_path, c
     assert "or write one of the complete iterations here, [3], into it" in err  # what to do
     assert tracker.read_text() == "6\n" and sorted(os.listdir(save)) == [
         "iter_0000003", "latest_checkpointed_iteration.txt"]  # nothing touched
+
+
+def _prefix_cmd(tiny, save, *extra):
+    """A one-process prefix-tuning command line without the --lora-* flags of _cmd."""
+    cmd = _cmd(tiny, save, 2, ranks=1)
+    cut = cmd.index("--lora-rank")
+    cmd = cmd[:cut] + cmd[cut + 4:]  # --lora-rank 4 --lora-alpha 8
+    cmd = cmd[:cmd.index("--lora-target-modules")]
+    return cmd + ["--peft-type", "prefix", *extra]
+
+
+@pytest.mark.parametrize("extra,lora,message", [
+    (["--num-virtual-tokens", "4"], True,
+     "--peft-type prefix trains key/value prefixes only; --lora-rank, --lora-alpha, "
+     "--lora-target-modules cannot be combined with it: PEFT loads one adapter type per adapter"),
+    ([], False, "--peft-type prefix needs --num-virtual-tokens N >= 1"),
+    (["--num-virtual-tokens", "0"], False, "--peft-type prefix needs --num-virtual-tokens N >= 1 "
+     "(the prefix length, e.g. 20), got 0"),
+    (["--num-virtual-tokens", "4", "--prefix-encoder-hidden-size", "8"], False,
+     "--prefix-encoder-hidden-size needs --prefix-projection"),
+    (["--num-virtual-tokens", "4", "--add-special-tokens", "<x>", "--tokenizer", "HF"], False,
+     "--add-special-tokens cannot be combined with it"),
+])
+def test_prefix_flags_are_checked_before_training(tiny, tmp_path, capsys, single_rank_env,
+                                                  extra, lora, message):
+    save = str(tmp_path / "run")
+    extra = [os.path.join(tiny, "hf") if a == "HF" else a for a in extra]
+    if lora:  # the LoRA flags of _cmd stay
+        cmd = _cmd(tiny, save, 2, "--peft-type", "prefix", *extra, ranks=1)
+    else:
+        cmd = _prefix_cmd(tiny, save, *extra)
+    code, err = _in_process(cmd, capsys)
+    assert code == 2, err[-2000:]
+    assert message in err, err[-2000:]
+    assert "Traceback" not in err
+    assert not os.path.exists(save)
+
+
+def test_prefix_flags_without_the_prefix_type_are_refused(tiny, tmp_path, capsys,
+                                                          single_rank_env):
+    cmd = _cmd(tiny, str(tmp_path / "run"), 2, "--num-virtual-tokens", "4",
+               "--prefix-projection", ranks=1)
+    code, err = _in_process(cmd, capsys)
+    assert code == 2, err[-2000:]
+    assert ("--num-virtual-tokens, --prefix-projection: prefix-tuning flags, used only with "
+            "--peft-type prefix") in err
+    assert not os.path.exists(tmp_path / "run")

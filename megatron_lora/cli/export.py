@@ -4,8 +4,8 @@
     megatron-lora export hf --load mixtral-mcore --adapter runs/lora --save Mixtral-merged
 
 `export peft` writes a PEFT LoRA folder (adapter_model.safetensors + adapter_config.json, the
-per-expert layout PEFT, transformers and vLLM load); only config.json of --load-hf is read, no base
-weights. `export hf` writes the base model with the adapter merged in (fp32 merge, cast back to
+per-expert layout PEFT, transformers and vLLM load), or for a prefix-tuning run (train --peft-type
+prefix) a PEFT PREFIX_TUNING folder; only config.json of --load-hf is read, no base weights. `export hf` writes the base model with the adapter merged in (fp32 merge, cast back to
 the base dtype) as HF safetensors shards; merging is its only mode, so `--merge` may be given or
 left out. Both run in one process, stream, create the output folder only when it is complete, and
 print the iteration of the adapter checkpoint they exported.
@@ -22,8 +22,8 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="export adapters (PEFT) or merged models (HF safetensors)",
                        formatter_class=HELP)
     kinds = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
-    a = kinds.add_parser("peft", help="adapter checkpoint -> HF PEFT LoRA folder (per-expert)",
-                         formatter_class=HELP)
+    a = kinds.add_parser("peft", help="adapter checkpoint -> HF PEFT folder (LoRA, "
+                         "per-expert; or PREFIX_TUNING)", formatter_class=HELP)
     a.add_argument("--adapter", required=True, help="adapter checkpoint: a run folder (newest "
                    "iteration) or an iter_* folder")
     a.add_argument("--load-hf", required=True, help="the base model's HF folder or config.json "
@@ -65,9 +65,15 @@ def _run(args) -> int:
                                  notes=notes)
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
-            print(f"target_modules {config['target_modules']}, r={config['r']}, "
-                  f"lora_alpha={config['lora_alpha']}, rank_pattern={config['rank_pattern']}, "
-                  f"alpha_pattern={config['alpha_pattern']}", file=sys.stderr)
+            if config["peft_type"] == "PREFIX_TUNING":
+                print(f"PREFIX_TUNING: num_virtual_tokens={config['num_virtual_tokens']}, "
+                      f"num_layers={config['num_layers']}, token_dim={config['token_dim']}, "
+                      f"prefix_projection={config['prefix_projection']}", file=sys.stderr)
+            else:
+                print(f"target_modules {config['target_modules']}, r={config['r']}, "
+                      f"lora_alpha={config['lora_alpha']}, rank_pattern="
+                      f"{config['rank_pattern']}, alpha_pattern={config['alpha_pattern']}",
+                      file=sys.stderr)
         else:
             from megatron_lora.export.merged import export_merged_hf
 

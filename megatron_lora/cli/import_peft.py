@@ -1,11 +1,14 @@
-"""`megatron-lora import peft`: a Hugging Face PEFT LoRA for Mixtral -> adapter checkpoint.
+"""`megatron-lora import peft`: a Hugging Face PEFT LoRA (or PREFIX_TUNING) for Mixtral -> adapter
+checkpoint.
 
     megatron-lora import peft --adapter my-adapter --load-hf Mixtral-8x7B-v0.1 --save imported
 
 Reads the per-expert layout and transformers 5's fused `target_parameters` layout. Separate
 q/k/v (or w1/w3) adapters with different A are stacked losslessly (the rank adds up); the
 resulting ranks are printed. The checkpoint loads at any layout (`logits --adapter`, `train` can
-be pointed at it as an adapter, `export peft` gives the adapter back).
+be pointed at it as an adapter, `export peft` gives the adapter back). A PREFIX_TUNING adapter
+imports as its saved prefix table (prefix_projection=False; a PEFT save with prefix_projection
+holds only the projected table, which a note says).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ def register(sub) -> None:
     p = sub.add_parser("import", help="import adapters from the Hugging Face stack",
                        formatter_class=HELP)
     kinds = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
-    a = kinds.add_parser("peft", help="HF PEFT LoRA folder -> adapter checkpoint",
+    a = kinds.add_parser("peft", help="HF PEFT LoRA or PREFIX_TUNING folder -> adapter checkpoint",
                          formatter_class=HELP)
     a.add_argument("--adapter", required=True, help="PEFT folder (adapter_config.json + "
                    "adapter_model.safetensors)")
@@ -44,8 +47,13 @@ def _run(args) -> int:
         print(f"megatron-lora import peft: error: {exc}", file=sys.stderr)
         return 2
     cfg = report["config"]
-    print(f"ranks: {report['ranks']} (r={cfg['r']}, rank_pattern={cfg['rank_pattern']}, "
-          f"lora_alpha={cfg['lora_alpha']}, alpha_pattern={cfg['alpha_pattern']})", file=sys.stderr)
+    if cfg.get("num_virtual_tokens"):
+        print(f"prefix tuning: num_virtual_tokens={cfg['num_virtual_tokens']}, "
+              f"prefix_projection={cfg['prefix_projection']}", file=sys.stderr)
+    else:
+        print(f"ranks: {report['ranks']} (r={cfg['r']}, rank_pattern={cfg['rank_pattern']}, "
+              f"lora_alpha={cfg['lora_alpha']}, alpha_pattern={cfg['alpha_pattern']})",
+              file=sys.stderr)
     notes = report["notes"]
     for note in notes if args.verbose else notes[:10]:
         print(f"  {note}", file=sys.stderr)

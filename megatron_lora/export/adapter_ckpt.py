@@ -12,13 +12,27 @@ complete. It holds only the model's adapter tensors (no optimizer state), one ch
 box (layer, or layer x expert), and `common.pt` = {"common": {"iteration": 0, "run_metadata":
 {"lora": LoraConfig.to_dict(), ...}}}, so `training.checkpoint.load_adapter_weights` loads it at
 any layout after `apply_lora(model, lora_config_from_dict(...))`.
+
+Prefix tuning (LoraConfig.num_virtual_tokens = n > 0, lora/prefix.py) has no factors; its tensors
+(td = groups * head_dim, L layers, enc the encoder hidden size):
+
+    decoder.layers.self_attention.core_attention.prefix_kv           [L, n, 2, groups, head_dim]
+  or, with prefix_projection (P_l = tanh(E W1^T + b1) W2_l^T + b2_l):
+    decoder.layers.self_attention.core_attention.prefix_proj_weight  [L, 2, groups, head_dim, enc]
+    decoder.layers.self_attention.core_attention.prefix_proj_bias    [L, 2, groups, head_dim]
+    prefix_encoder.embedding [n, td] (E), prefix_encoder.weight [enc, td] (W1), .bias [enc] (b1)
+
+`AdapterCheckpoint.prefix_table()` gives PEFT's table [n, L * 2 * td] (row i: layer 0's key, layer
+0's value, layer 1's key, ...; each [groups, head_dim], megatron's query group g = HF kv head g),
+and `write_adapter_checkpoint(..., extra=prefix_tensors(info, table))` writes such a table back
+(prefix_projection=False).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -38,6 +52,32 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # the output layer (lora/trainable_tokens.py), by checkpoint key.
 TOKEN_KEYS = {"embedding": "embedding.word_embeddings.trainable_tokens_delta",
               "output_layer": "output_layer.trainable_tokens_delta"}
+# Prefix tuning's tensors (see the module docstring), by checkpoint key.
+_CORE = "decoder.layers.self_attention.core_attention."
+PREFIX_KV = _CORE + "prefix_kv"
+PREFIX_W2, PREFIX_B2 = _CORE + "prefix_proj_weight", _CORE + "prefix_proj_bias"
+ENCODER_E, ENCODER_W1, ENCODER_B1 = ("prefix_encoder.embedding", "prefix_encoder.weight",
+                                     "prefix_encoder.bias")
+
+
+def prefix_shapes(info: MixtralInfo, config: LoraConfig) -> Dict[str, Tuple[int, ...]]:
+    """{checkpoint key: global shape} of a prefix-tuning config's tensors for the model `info`."""
+    s = info.shape
+    L, n, g, d = s.num_layers, config.num_virtual_tokens, s.num_query_groups, info.head_dim
+    if not config.prefix_projection:
+        return {PREFIX_KV: (L, n, 2, g, d)}
+    enc = config.encoder_hidden_size or g * d
+    return {PREFIX_W2: (L, 2, g, d, enc), PREFIX_B2: (L, 2, g, d), ENCODER_E: (n, g * d),
+            ENCODER_W1: (enc, g * d), ENCODER_B1: (enc,)}
+
+
+def prefix_tensors(info: MixtralInfo, table: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """PEFT's prefix table [n, L * 2 * td] -> {PREFIX_KV: [L, n, 2, groups, head_dim]} (a view
+    permuted; values unchanged), for write_adapter_checkpoint's `extra`."""
+    s = info.shape
+    L, g, d = s.num_layers, s.num_query_groups, info.head_dim
+    n = table.shape[0]
+    return {PREFIX_KV: table.reshape(n, L, 2, g, d).permute(1, 0, 2, 3, 4)}
 
 
 def lora_config_from_dict(d: dict, source: str = "run metadata") -> LoraConfig:
@@ -83,11 +123,15 @@ class AdapterCheckpoint:
         if lora is None:
             raise ConversionError(f"{common_path}: no run_metadata.lora (not an adapter checkpoint)")
         self.config = lora_config_from_dict(lora, common_path)
-        self.ranks: Dict[str, int] = self._check_tensors()
-        dtypes = {self.ckpt.dtype(k.a_key) for k in self.kinds()} | {
-            self.ckpt.dtype(k.b_key) for k in self.kinds()}
+        if self.config.num_virtual_tokens:  # prefix tuning: no factors
+            self.ranks: Dict[str, int] = {}
+            keys = self._check_prefix()
+        else:
+            self.ranks = self._check_tensors()
+            keys = [k.a_key for k in self.kinds()] + [k.b_key for k in self.kinds()]
+        dtypes = {self.ckpt.dtype(k) for k in keys}
         if len(dtypes) != 1:
-            raise ConversionError(f"{self.directory}: adapter factors have mixed dtypes "
+            raise ConversionError(f"{self.directory}: adapter tensors have mixed dtypes "
                                   f"{sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
 
@@ -147,6 +191,56 @@ class AdapterCheckpoint:
             raise ConversionError(f"{self.directory}: no LoRA factors in the checkpoint")
         return ranks
 
+    def _check_prefix(self) -> List[str]:
+        """The prefix tensors' keys, each checked present with the shape the model and the
+        config imply; anything else (LoRA factors, other tensors) refused."""
+        want = prefix_shapes(self.info, self.config)
+        keys = {k for k in self.ckpt.tensors if not k.startswith("optimizer.")}
+        cfg = self.config
+        setting = (f"num_virtual_tokens={cfg.num_virtual_tokens}, prefix_projection="
+                   f"{cfg.prefix_projection}, encoder_hidden_size={cfg.encoder_hidden_size}")
+        for key, shape in want.items():
+            if key not in keys:
+                raise ConversionError(f"{self.directory}: the LoRA config is prefix tuning "
+                                      f"({setting}) but tensor {key} is missing")
+            got = tuple(self.ckpt.shape(key))
+            if got != shape:
+                raise ConversionError(
+                    f"{self.directory}: tensor {key} has shape {list(got)}, but the model "
+                    f"({self.info.config_fields()}) with {setting} implies {list(shape)}")
+        unknown = sorted(keys - set(want))
+        if unknown:
+            raise ConversionError(f"{self.directory}: a prefix-tuning checkpoint ({setting}) "
+                                  f"with other tensors: {unknown[:5]}")
+        return list(want)
+
+    def _whole(self, key: str) -> torch.Tensor:
+        shape = tuple(self.ckpt.shape(key))
+        return self.ckpt.read(key, (0,) * len(shape), shape)
+
+    def prefix_table(self) -> torch.Tensor:
+        """PEFT's prefix table [n, L * 2 * td]: row i is virtual token i's keys and values of
+        every layer (layer l's key [groups, head_dim] at columns [2 l td, (2 l + 1) td), its
+        value after it). Without projection the stored values in the checkpoint dtype, bit for
+        bit; with projection tanh(E W1^T + b1) W2^T + b2 computed in fp32 (float32), one layer's
+        W2 read at a time."""
+        if not self.config.num_virtual_tokens:
+            raise ConversionError(f"{self.directory}: not a prefix-tuning checkpoint")
+        L, n = self.info.shape.num_layers, self.config.num_virtual_tokens
+        if not self.config.prefix_projection:
+            kv = self._whole(PREFIX_KV)  # [L, n, 2, g, d]
+            return kv.permute(1, 0, 2, 3, 4).reshape(n, -1).contiguous()
+        e, w1, b1 = (self._whole(k).float() for k in (ENCODER_E, ENCODER_W1, ENCODER_B1))
+        hidden = torch.tanh(torch.nn.functional.linear(e, w1, b1))  # [n, enc]
+        w_shape, b_shape = self.ckpt.shape(PREFIX_W2), self.ckpt.shape(PREFIX_B2)
+        layers = []
+        for layer in range(L):
+            w2 = self.ckpt.read(PREFIX_W2, (layer, 0, 0, 0, 0), (1,) + tuple(w_shape[1:]))
+            b2 = self.ckpt.read(PREFIX_B2, (layer, 0, 0, 0), (1,) + tuple(b_shape[1:]))
+            w2 = w2.float().reshape(-1, hidden.shape[1])  # [2 td, enc]: key rows, value rows
+            layers.append(torch.nn.functional.linear(hidden, w2, b2.float().reshape(-1)))
+        return torch.cat(layers, dim=1)  # [n, L * 2 td]
+
     def token_rows(self, which: str) -> torch.Tensor:
         """The trained rows [n, h] of `which` ("embedding" or "output_layer") for the ids
         config.trainable_token_indices, in the checkpoint dtype."""
@@ -197,7 +291,15 @@ def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int]
     site's box (embedding: A [r, Vp], B [h, r]), called once per factor per site; with
     config.use_dora it returns (A, B, m), m [out] the DoRA magnitude. extra: whole tensors by
     checkpoint key (one chunk each, replicated), e.g. the trainable tokens' rows (TOKEN_KEYS).
+    A prefix-tuning config (num_virtual_tokens > 0) takes no ranks and exactly its tensors in
+    `extra` (prefix_shapes; prefix_tensors(info, table) without projection).
     """
+    if config.num_virtual_tokens:
+        want = prefix_shapes(info, config)
+        got = {k: tuple(v.shape) for k, v in (extra or {}).items()}
+        if ranks or got != want:
+            raise ValueError(f"a prefix-tuning checkpoint takes no LoRA ranks (got {ranks}) and "
+                             f"the tensors {want} as extra, got {got}")
     check_output_free(save, overwrite)
     tensors = []
     by_key: Dict[str, Tuple[Kind, int]] = {}

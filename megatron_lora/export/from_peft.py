@@ -30,6 +30,11 @@ megatron's order (q/k/v per query group), copied bit for bit; stacking, padding 
 leave B A, and so the row norms, unchanged. Every row needs its magnitude (an untargeted row's
 would be the base weight's norm, which the import does not read), so a DoRA adapter must cover
 q_proj, k_proj and v_proj of every layer together, and o_proj of every layer if any.
+
+Prefix tuning (PREFIX_TUNING): `prompt_embeddings` [n, L * 2 * td] becomes the checkpoint's
+`prefix_kv` [L, n, 2, groups, head_dim] bit for bit, with a LoraConfig of num_virtual_tokens = n,
+prefix_projection=False. A PEFT save with prefix_projection=true holds only the projected table
+(not E and the MLP), so it imports as that table, prefix_projection=False (a note says so).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
-from megatron_lora.export.peft_config import alpha_for, read_adapter_config
+from megatron_lora.export.peft_config import PeftPrefix, alpha_for, read_adapter_config
 from megatron_lora.export.peft_file import PeftAdapterFile
 from megatron_lora.export.table import KIND_PATTERN, KINDS, Site, factor_shapes, fuse_rows, sites
 from megatron_lora.lora.model import LoraConfig
@@ -219,11 +224,14 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
     """Convert a PEFT LoRA folder into an adapter checkpoint at `save` (atomically).
 
     Returns a report: {"ranks": {kind: rank}, "config": LoraConfig.to_dict(), "notes": [...]}
-    (notes: stacked sites with their ranks, rescaled sites, zero-padded and zero sites)."""
+    (notes: stacked sites with their ranks, rescaled sites, zero-padded and zero sites; for
+    prefix tuning ranks is {} and a note says when a projection was imported as its table)."""
     prepare_output_dir(save, overwrite=overwrite,
                        inputs={"--adapter": adapter_dir, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
     cfg = read_adapter_config(adapter_dir)
+    if isinstance(cfg, PeftPrefix):
+        return _import_prefix(adapter_dir, save, info, cfg, overwrite)
     pf = PeftAdapterFile(adapter_dir, info, cfg)
     plans: Dict[str, List[Tuple[Site, Optional[SitePlan]]]] = {}
     ranks: Dict[str, int] = {}
@@ -281,3 +289,23 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
                              run_metadata={"imported_from": adapter_dir}, overwrite=overwrite,
                              extra=extra)
     return {"ranks": ranks, "config": config.to_dict(), "notes": notes}
+
+
+def _import_prefix(adapter_dir: str, save: str, info, cfg: PeftPrefix, overwrite: bool) -> dict:
+    """A PEFT PREFIX_TUNING folder -> a prefix-tuning adapter checkpoint (prefix_projection
+    False, the saved table [n, L * 2 * td] as prefix_kv [L, n, 2, groups, head_dim])."""
+    from megatron_lora.export.adapter_ckpt import prefix_tensors
+    from megatron_lora.export.peft_file import read_prefix_table
+
+    table = read_prefix_table(adapter_dir, info, cfg)
+    notes = []
+    if cfg.prefix_projection:
+        notes.append(f"{cfg.path}: prefix_projection=true, but PEFT saves only the projected "
+                     f"prefix (tanh(E W1^T + b1) W2^T + b2, not E and the MLP): imported as "
+                     f"prefix_projection=False with that table (the same keys and values; "
+                     f"further training trains the table)")
+    config = LoraConfig(num_virtual_tokens=cfg.num_virtual_tokens, target_modules=())
+    write_adapter_checkpoint(save, info, {}, None, config, table.dtype,
+                             run_metadata={"imported_from": adapter_dir}, overwrite=overwrite,
+                             extra=prefix_tensors(info, table))
+    return {"ranks": {}, "config": config.to_dict(), "notes": notes}

@@ -8,7 +8,8 @@ appended to the current shard. A box of a weight that carries an adapter gets, b
 W + scale * B[rows] A (the rows of B that box covers; the embedding: rows of (scale * B A)^T),
 computed in fp32 and cast back to the base dtype. One box and one adapter's factors are in memory
 at a time. Tied embeddings with an embedding or output-layer adapter are refused (merging one
-would change the other). DoRA adapters (use_dora): each row of W + scale * B A is then scaled by
+would change the other), and so are prefix-tuning adapters (no weight to merge into; `export
+peft`). DoRA adapters (use_dora): each row of W + scale * B A is then scaled by
 m / ||that row|| (lora/dora.py; a box holds whole rows, so the norms are the box's own).
 """
 
@@ -68,6 +69,12 @@ def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = Non
                        inputs={"--load": load, "--adapter": adapter, "--hf-config": hf_config})
     info = read_mcore_info(load, hf_config)
     merger = _Merger(AdapterCheckpoint(adapter, info), info)
+    if merger.adapter.config.num_virtual_tokens:
+        raise ConversionError(
+            f"{adapter}: a prefix-tuning adapter (--peft-type prefix, num_virtual_tokens="
+            f"{merger.adapter.config.num_virtual_tokens}) adds keys and values every layer "
+            f"attends to; it cannot be merged into the weights. Export it with `export peft` "
+            f"(PEFT's PREFIX_TUNING) instead")
     if merger.adapter.config.trainable_token_indices:
         raise ConversionError(
             f"{adapter}: the adapter trains new tokens (--add-special-tokens, ids "

@@ -8,6 +8,11 @@ Plain LoRA, DoRA (attention) and trainable tokens in the form `export peft` writ
 (`trainable_token_indices: {"embed_tokens": ids, "lm_head": the same ids}`) convert; LoRA biases,
 `fan_in_fan_out`, `modules_to_save`, other trainable-token forms and non-LoRA PEFT types raise
 ConversionError naming adapter_config.json and the field.
+
+Prefix tuning (`peft_type: PREFIX_TUNING`, task CAUSAL_LM): read as PeftPrefix (the sizes checked
+against the model by the import), written by `prefix_config_dict` with the fields PEFT saves.
+PEFT's GQA rule: token_dim = num_key_value_heads * head_dim, num_attention_heads =
+num_key_value_heads. Other prompt-learning types (PROMPT_TUNING, P_TUNING, ...) are refused.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.jsonfile import json_value, read_json, short
@@ -94,15 +99,83 @@ def _require(cfg: dict, path: str, name: str):
     return cfg[name]
 
 
-def read_adapter_config(directory: str) -> PeftLora:
-    """Read and validate `directory/adapter_config.json` (a LoRA for a Mixtral model)."""
+@dataclass(frozen=True)
+class PeftPrefix:
+    """The fields of a PEFT PREFIX_TUNING config (CAUSAL_LM, one transformer submodule).
+    The saved table `prompt_embeddings` is [num_virtual_tokens, num_layers * 2 * token_dim]."""
+
+    num_virtual_tokens: int
+    token_dim: int
+    num_attention_heads: int
+    num_layers: int
+    prefix_projection: bool = False
+    encoder_hidden_size: Optional[int] = None
+    path: str = CONFIG_NAME
+
+
+# PEFT's prompt-learning types other than prefix tuning: virtual token embeddings, not keys and
+# values, which megatron_lora does not train.
+_PROMPT_TYPES = ("PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT",
+                 "CPT", "CARTRIDGE")
+
+
+def _read_prefix(cfg: dict, path: str) -> PeftPrefix:
+    task = cfg.get("task_type")
+    if task != "CAUSAL_LM":
+        raise ConversionError(f"{path}: field task_type={short(task)}: prefix tuning imports "
+                              f"for 'CAUSAL_LM' (a Mixtral decoder)")
+    sizes = {}
+    for name in ("num_virtual_tokens", "token_dim", "num_attention_heads", "num_layers"):
+        value = _require(cfg, path, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConversionError(f"{path}: field {name} must be a positive integer, got "
+                                  f"{json_value(value)}")
+        sizes[name] = value
+    sub = cfg.get("num_transformer_submodules", 1)
+    if sub not in (None, 1) or isinstance(sub, bool):
+        raise ConversionError(f"{path}: field num_transformer_submodules={short(sub)}: a "
+                              f"decoder-only model has 1 (2 is for encoder-decoder models)")
+    projection = cfg.get("prefix_projection", False)
+    if not isinstance(projection, bool):
+        raise ConversionError(f"{path}: field prefix_projection must be true or false, got "
+                              f"{json_value(projection)}")
+    hidden = cfg.get("encoder_hidden_size")
+    if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int)
+                               or hidden < 1):
+        raise ConversionError(f"{path}: field encoder_hidden_size must be a positive integer or "
+                              f"null, got {json_value(hidden)}")
+    if cfg.get("modules_to_save"):
+        raise ConversionError(f"{path}: field modules_to_save={short(cfg['modules_to_save'])}: "
+                              f"fully trained modules are not supported")
+    _check_auto_mapping(cfg, path)
+    return PeftPrefix(prefix_projection=projection, encoder_hidden_size=hidden, path=path,
+                      **sizes)
+
+
+def _check_auto_mapping(cfg: dict, path: str) -> None:
+    auto = cfg.get("auto_mapping") or {}
+    base_class = auto.get("base_model_class") if isinstance(auto, dict) else None
+    if base_class is not None and base_class != "MixtralForCausalLM":
+        raise ConversionError(f"{path}: adapter for {base_class}, not MixtralForCausalLM")
+
+
+def read_adapter_config(directory: str) -> Union[PeftLora, PeftPrefix]:
+    """Read and validate `directory/adapter_config.json` (a LoRA, or a prefix tuning, for a
+    Mixtral model)."""
     path = os.path.join(directory, CONFIG_NAME)
     cfg = read_json(path, ConversionError, what="not a PEFT adapter folder")
     if not isinstance(cfg, dict):
         raise ConversionError(f"{path}: expected a JSON object, got {json_value(cfg)}")
     peft_type = _require(cfg, path, "peft_type")
+    if peft_type == "PREFIX_TUNING":
+        return _read_prefix(cfg, path)
+    if peft_type in _PROMPT_TYPES:
+        raise ConversionError(f"{path}: peft_type={short(peft_type)} (learned input embeddings) "
+                              f"does not convert; of PEFT's prompt-learning methods only "
+                              f"'PREFIX_TUNING' does")
     if peft_type != "LORA":
-        raise ConversionError(f"{path}: peft_type={short(peft_type)}; only 'LORA' adapters convert")
+        raise ConversionError(f"{path}: peft_type={short(peft_type)}; only 'LORA' and "
+                              f"'PREFIX_TUNING' adapters convert")
     unsupported = [
         ("lora_bias", lambda v: bool(v), "LoRA biases (lora_bias=true) are not supported"),
         ("bias", lambda v: v not in (None, "none"), "trained biases (bias != 'none') are not supported"),
@@ -113,10 +186,7 @@ def read_adapter_config(directory: str) -> PeftLora:
     for name, bad, why in unsupported:
         if name in cfg and bad(cfg[name]):
             raise ConversionError(f"{path}: field {name}={short(cfg[name])}: {why}")
-    auto = cfg.get("auto_mapping") or {}
-    base_class = auto.get("base_model_class") if isinstance(auto, dict) else None
-    if base_class is not None and base_class != "MixtralForCausalLM":
-        raise ConversionError(f"{path}: adapter for {base_class}, not MixtralForCausalLM")
+    _check_auto_mapping(cfg, path)
     r = _require(cfg, path, "r")
     alpha = _require(cfg, path, "lora_alpha")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
@@ -239,4 +309,28 @@ def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_m
                                     {k: list(v) for k, v in trainable_token_indices.items()}),
         "layers_to_transform": None,
         "layers_pattern": None,
+    }
+
+
+def prefix_config_dict(*, num_virtual_tokens: int, token_dim: int, num_attention_heads: int,
+                       num_layers: int, encoder_hidden_size: int, prefix_projection: bool,
+                       base_model: Optional[str] = None) -> dict:
+    """A PEFT PREFIX_TUNING adapter_config.json with the fields PEFT saves for a causal LM
+    (peft_version is left out: PEFT fills in its own when loading)."""
+    return {
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model,
+        "encoder_hidden_size": encoder_hidden_size,
+        "inference_mode": True,
+        "init_weights": None,
+        "modules_to_save": None,
+        "num_attention_heads": num_attention_heads,
+        "num_layers": num_layers,
+        "num_transformer_submodules": 1,
+        "num_virtual_tokens": num_virtual_tokens,
+        "peft_type": "PREFIX_TUNING",
+        "prefix_projection": prefix_projection,
+        "revision": None,
+        "task_type": "CAUSAL_LM",
+        "token_dim": token_dim,
     }

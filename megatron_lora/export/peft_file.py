@@ -18,6 +18,9 @@ DoRA (`use_dora: true`): `...{q,k,v,o}_proj.lora_magnitude_vector` [out] for eve
 `*.base_layer.weight` copies of embed_tokens / lm_head (PEFT saves them when it targets embedding
 layers) are skipped if they have the base model's shape. Anything else, a wrong shape or a layer
 or expert outside the model is a ConversionError naming the file and the key.
+
+Prefix tuning (PEFT's PREFIX_TUNING): one tensor `prompt_embeddings` [n, L * 2 * td]
+(`read_prefix_table`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from safetensors import safe_open
 
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import hf_shapes
-from megatron_lora.export.peft_config import WEIGHTS_NAME, PeftLora, scale
+from megatron_lora.export.peft_config import WEIGHTS_NAME, PeftLora, PeftPrefix, scale
 from megatron_lora.models.mixtral import MixtralInfo
 
 _PREFIX = "base_model.model."
@@ -62,6 +65,56 @@ class Factor:
     alpha: float = 0.0
 
 
+PROMPT_EMBEDDINGS = "prompt_embeddings"
+
+
+def _weights_path(directory: str) -> str:
+    path = os.path.join(directory, WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        other = os.path.join(directory, "adapter_model.bin")
+        extra = " (adapter_model.bin, a pickle, is not read: convert it to safetensors)" \
+            if os.path.isfile(other) else ""
+        raise ConversionError(f"{path}: file not found{extra}")
+    return path
+
+
+def read_prefix_table(directory: str, info: MixtralInfo, config: PeftPrefix) -> torch.Tensor:
+    """PEFT's prefix table [n, L * 2 * td] from `directory/adapter_model.safetensors`, after
+    checking `config` (adapter_config.json) against the model (td = kv heads x head_dim, PEFT's
+    GQA token_dim) and the file against `config`: one tensor `prompt_embeddings`, that shape,
+    fp32 / bf16 / fp16."""
+    s = info.shape
+    want = {"num_layers": s.num_layers, "num_attention_heads": s.num_query_groups,
+            "token_dim": s.num_query_groups * info.head_dim}
+    for name, value in want.items():
+        if getattr(config, name) != value:
+            raise ConversionError(
+                f"{config.path}: field {name}={getattr(config, name)}, but the model "
+                f"({info.config_fields()}) has {value} (PEFT: token_dim = num_key_value_heads x "
+                f"head_dim, num_attention_heads = num_key_value_heads)")
+    path = _weights_path(directory)
+    shape = (config.num_virtual_tokens, s.num_layers * 2 * want["token_dim"])
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+            if keys != [PROMPT_EMBEDDINGS]:
+                raise ConversionError(f"{path}: a PREFIX_TUNING adapter holds one tensor "
+                                      f"{PROMPT_EMBEDDINGS!r}, found {sorted(keys)[:5]}")
+            sl = f.get_slice(PROMPT_EMBEDDINGS)
+            if tuple(sl.get_shape()) != shape or sl.get_dtype() not in _DTYPES:
+                raise ConversionError(
+                    f"{path}: tensor {PROMPT_EMBEDDINGS!r} is {sl.get_dtype()} "
+                    f"{list(sl.get_shape())}; {config.path} (num_virtual_tokens="
+                    f"{config.num_virtual_tokens}) and the model imply {list(shape)} in F32, "
+                    f"BF16 or F16")
+            return f.get_tensor(PROMPT_EMBEDDINGS)
+    except ConversionError:
+        raise
+    except Exception as exc:
+        raise ConversionError(f"{path}: not a readable safetensors file (truncated or "
+                              f"corrupt?): {exc}") from None
+
+
 class PeftAdapterFile:
     """`adapter_model.safetensors` of a PEFT LoRA for the model `info`.
 
@@ -70,12 +123,7 @@ class PeftAdapterFile:
     """
 
     def __init__(self, directory: str, info: MixtralInfo, config: PeftLora):
-        self.path = os.path.join(directory, WEIGHTS_NAME)
-        if not os.path.isfile(self.path):
-            other = os.path.join(directory, "adapter_model.bin")
-            extra = " (adapter_model.bin, a pickle, is not read: convert it to safetensors)" \
-                if os.path.isfile(other) else ""
-            raise ConversionError(f"{self.path}: file not found{extra}")
+        self.path = _weights_path(directory)
         self.info, self.config = info, config
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         dtypes = {}

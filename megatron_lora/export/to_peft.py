@@ -21,6 +21,10 @@ Trainable tokens (train --add-special-tokens) become PEFT's `trainable_token_ind
 trainable_tokens_delta` / `lm_head.token_adapter.trainable_tokens_delta`, and the run's extended
 tokenizer (`--save/tokenizer`) is copied into the export folder; transformers + PEFT load it after
 `model.resize_token_embeddings(len(tokenizer))` when the ids are past the model's vocab_size.
+Prefix tuning (LoraConfig.num_virtual_tokens) becomes PEFT's PREFIX_TUNING: `prompt_embeddings`
+[n, L * 2 * td] (AdapterCheckpoint.prefix_table; with prefix_projection the projected table, as
+PEFT's own save holds it, computed in fp32 and written in the checkpoint dtype) and the
+adapter_config.json PEFT writes (peft_config.prefix_config_dict).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from megatron_lora.export.peft_config import (
     WEIGHTS_NAME,
     adapter_config_dict,
     inference_dropout,
+    prefix_config_dict,
 )
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.export.table import (
@@ -97,6 +102,8 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                        inputs={"--adapter": adapter, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
     ckpt = AdapterCheckpoint(adapter, info)
+    if ckpt.config.num_virtual_tokens:
+        return _export_prefix(ckpt, info, save, overwrite, base_model, notes)
     dora = ckpt.config.use_dora
     experts = [k.name for k in ckpt.kinds() if k.name in ("linear_fc1", "linear_fc2")]
     if dora and experts:
@@ -196,3 +203,29 @@ def _copy_tokenizer(directory: str, out: str, notes: Optional[List[str]]) -> Non
         return
     for name in os.listdir(source):
         shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+
+
+def _export_prefix(ckpt: AdapterCheckpoint, info, save: str, overwrite: bool,
+                   base_model: Optional[str], notes: Optional[List[str]]) -> dict:
+    """A prefix-tuning checkpoint as PEFT's PREFIX_TUNING folder; returns the config."""
+    from megatron_lora.export.peft_file import PROMPT_EMBEDDINGS
+
+    cfg, s = ckpt.config, info.shape
+    td = s.num_query_groups * info.head_dim  # PEFT's GQA token_dim
+    table = ckpt.prefix_table().to(ckpt.dtype).contiguous()  # [n, L * 2 * td]
+    config = prefix_config_dict(
+        num_virtual_tokens=cfg.num_virtual_tokens, token_dim=td,
+        num_attention_heads=s.num_query_groups, num_layers=s.num_layers,
+        encoder_hidden_size=cfg.encoder_hidden_size or td,
+        prefix_projection=cfg.prefix_projection, base_model=base_model)
+    if cfg.prefix_projection and notes is not None:
+        notes.append("prefix_projection: the projected prefix tanh(E W1^T + b1) W2^T + b2 is "
+                     "written as prompt_embeddings, as PEFT saves it (PEFT loads it for "
+                     "inference; E and the MLP are not part of PEFT's format)")
+    with atomic_directory(save, overwrite) as tmp:
+        entries = [(PROMPT_EMBEDDINGS, tuple(table.shape), table.dtype)]
+        with StreamingSafetensorsWriter(os.path.join(tmp, WEIGHTS_NAME), entries) as w:
+            w.write(PROMPT_EMBEDDINGS, table)
+        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2)
+    return config

@@ -100,6 +100,11 @@ def _setup_checks(args, layout, world_size):
 
     initial = None
     try:
+        prefix = None  # the flags alone decide a prefix run's config: checked before any file
+        if getattr(args, "peft_type", "lora") == "prefix" and not getattr(args, "adapter", None):
+            prefix = prefix_config(args)
+        elif not getattr(args, "adapter", None):
+            _refuse_prefix_flags(args)
         if args.load_hf:
             from megatron_lora.convert.hf_to_mcore import open_hf
 
@@ -138,10 +143,9 @@ def _setup_checks(args, layout, world_size):
                     f"{list(lora.trainable_token_indices)}, but --add-special-tokens with "
                     f"--tokenizer gives {list(token_ids)}; pass the base --tokenizer the adapter "
                     f"was trained from and the same --add-special-tokens, in the same order")
-        elif getattr(args, "peft_type", "lora") == "prefix":
-            lora = prefix_config(args)
+        elif prefix is not None:
+            lora = prefix
         else:
-            _refuse_prefix_flags(args)
             try:
                 lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                   lora_dropout=args.lora_dropout,

@@ -176,13 +176,12 @@ def _prefix_cmd(tiny, save, *extra):
      "(the prefix length, e.g. 20), got 0"),
     (["--num-virtual-tokens", "4", "--prefix-encoder-hidden-size", "8"], False,
      "--prefix-encoder-hidden-size needs --prefix-projection"),
-    (["--num-virtual-tokens", "4", "--add-special-tokens", "<x>", "--tokenizer", "HF"], False,
+    (["--num-virtual-tokens", "4", "--add-special-tokens", "<x>"], False,
      "--add-special-tokens cannot be combined with it"),
 ])
 def test_prefix_flags_are_checked_before_training(tiny, tmp_path, capsys, single_rank_env,
                                                   extra, lora, message):
     save = str(tmp_path / "run")
-    extra = [os.path.join(tiny, "hf") if a == "HF" else a for a in extra]
     if lora:  # the LoRA flags of _cmd stay
         cmd = _cmd(tiny, save, 2, "--peft-type", "prefix", *extra, ranks=1)
     else:

@@ -26,6 +26,7 @@ from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.identity import adapter_seed, dropout_stream, global_layer_prefix
 from megatron_lora.lora.prefix import ENCODER as PREFIX_ENCODER
+from megatron_lora.lora.prefix import SHARED as PREFIX_SHARED
 from megatron_lora.lora.prefix import apply_prefix, check_prefix_fields, prefix_problems
 from megatron_lora.lora.targets import KINDS, UnknownTargetError, normalize_targets
 from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA
@@ -428,11 +429,14 @@ def count_parameters(model) -> Tuple[int, int]:
     counts = torch.zeros(4, dtype=torch.float64)  # dense trainable, dense all, expert t, expert a
     tp_rank = ps.get_tensor_model_parallel_rank()
     etp_rank = ps.get_expert_tensor_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
     for p in _unwrap(model).parameters():
         expert = _is_expert(p)
         sharded = getattr(p, "tensor_model_parallel", False)
         if not sharded and (etp_rank if expert else tp_rank) != 0:
             continue  # a TP replica: counted on TP rank 0
+        if getattr(p, PREFIX_SHARED, False) and pp_rank != 0:
+            continue  # prefix tuning's projection, held by every stage: counted on the first
         base = 2 if expert else 0
         counts[base + 1] += p.numel()
         if p.requires_grad:

@@ -297,6 +297,13 @@ def apply_prefix(model, config) -> Dict[str, torch.nn.Module]:
             seed=config.seed, dtype=dtype, encoder=encoder)
         wrapped[name] = attn.core_attention
     model.rotary_pos_emb = PrefixRotary(model.rotary_pos_emb, state)
+    if getattr(tconf, "recompute_granularity", None) is not None:
+        # megatron's checkpoint is re-entrant: the prefix inside a recomputed core attention
+        # gets a gradient only if the region's inputs require grad, which with a frozen base
+        # they do not unless the decoder input does (models/recompute.py).
+        from megatron_lora.models.recompute import require_decoder_input_grad
+
+        require_decoder_input_grad(model)
 
     def begin(module, args, kwargs):
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)

@@ -292,3 +292,41 @@ def test_train_parses_the_flags():
                                              "--recompute-modules", "core_attn", "moe"])
     assert args.recompute_modules == ["core_attn", "moe"]
     assert isinstance(args, argparse.Namespace)
+
+
+@multirank(world_size=1, timeout=300)
+def test_prefix_tuning_gets_its_gradients_through_recomputed_attention(layout=ParallelLayout()):
+    """Prefix tuning (lora/prefix.py, with its shared projection) lives inside the core
+    attention, which selective recomputation of core_attn alone checkpoints: with the frozen base
+    nothing entering it requires grad, so unless apply_prefix makes the decoder input require
+    grad the prefix gets no gradient (the control below). Full and core_attn-only recomputation
+    give the gradients of the run without."""
+    from megatron_lora.models import recompute
+
+    prefix = LoraConfig(num_virtual_tokens=3, target_modules=(), prefix_projection=True,
+                        encoder_hidden_size=8, seed=5)
+    rng_states = mrandom._get_all_rng_states()
+    base = build_gpt_model(SHAPE, transformer_config(SHAPE, layout))
+    apply_lora(base, prefix, verbose=False)
+    weights = {n: p.detach().clone() for n, p in base.named_parameters()}
+    del base
+    ref_loss, ref, adapters, _ = _run(layout, "allgather", prefix, weights, rng_states, {})
+    assert sorted(ref) == sorted(adapters) and all(float(g.abs().max()) > 0 for g in ref.values())
+    assert any("prefix_encoder" in n for n in adapters)
+    core_attn = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    for overrides in (RECOMPUTE["full_block"], core_attn):
+        loss, grads, _, count = _run(layout, "allgather", prefix, weights, rng_states, overrides)
+        assert count > 0 and float(loss) == pytest.approx(float(ref_loss), rel=RTOL)
+        assert sorted(grads) == sorted(ref)
+        for n, g in ref.items():
+            torch.testing.assert_close(grads[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
+                                       msg=f"{overrides}: gradient of {n}")
+    real = recompute.require_decoder_input_grad
+    recompute.require_decoder_input_grad = lambda model: False
+    try:
+        _, grads, _, count = _run(layout, "allgather", prefix, weights, rng_states, core_attn)
+    finally:
+        recompute.require_decoder_input_grad = real
+    # The control: no prefix parameter got a gradient (and no checkpointed region was even
+    # recomputed, since no output of one required grad).
+    assert count == 0 and not grads, {n: float(g.abs().max()) for n, g in grads.items()}

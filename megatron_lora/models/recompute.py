@@ -26,7 +26,8 @@ all, without an error (full recomputation from the first layer: none; LoRA on th
 with selective "moe": no MoE layer's input requires grad, no expert adapter gets one).
 `require_decoder_input_grad(model)` marks that input as requiring grad (one extra input gradient
 [s, b, h] at the first layer); `build_gpt_model` installs it whenever the config recomputes
-more than core attention (whose region holds no parameters). Later pipeline stages receive
+more than core attention (whose region holds no parameters, except with prefix tuning, whose
+apply_prefix installs it whenever the config recomputes anything: lora/prefix.py). Later pipeline stages receive
 their input with requires_grad already (p2p communication).
 
 `recompute_problems(...)` checks the settings against a model's layers per pipeline stage

@@ -1,4 +1,4 @@
-"""DoRA adapters trained 3 steps at TP2+SP (dropout 0.1), exported, judged by transformers + PEFT:
+"""DoRA adapters trained 3 steps at PP2xEP2 (dropout 0.1), exported, judged by transformers + PEFT:
 an attention DoRA adapter exports to PEFT (`use_dora: true`, `lora_magnitude_vector` per module)
 whose logits, and PEFT's merge_and_unload, and our merged HF export, equal the trained model's
 (fp32, max abs diff <= 1e-4), and `import peft` of it gives back the trained checkpoint's tensors
@@ -33,8 +33,8 @@ def _dora_config(targets):
                       use_dora=True)
 
 
-@multirank(world_size=2, timeout=600)
-def _train_dora(hf, root, tokens, layout=ParallelLayout(tp=2, sp=True)):
+@multirank(world_size=4, timeout=600)
+def _train_dora(hf, root, tokens, layout=ParallelLayout(pp=2, ep=2)):
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
     from megatron_lora.convert.logits import forward_logits

@@ -1,5 +1,6 @@
 """Trainable tokens end to end, judged by transformers + PEFT: `megatron-lora train
---add-special-tokens "<|im_start|>" "<|im_end|>" <a> ... <e>` (one rank, LoRA on attention) on
+--add-special-tokens "<|im_start|>" "<|im_end|>" <a> ... <e>` (PP2xEP2 on 4 ranks, LoRA on
+attention) on
 chat text that uses them: the tiny Mixtral's vocabulary of 250 is padded to 256, so the new ids
 250-255 are padded rows and 256 needs a grown vocabulary (384 rows). The adapter reloaded at
 TP2+SP (another layout) gives logits over 257 columns that transformers + PEFT reproduce (max abs
@@ -78,7 +79,9 @@ def tokens_run(tiny, tmp_path_factory):
                  _chat(str(root / "chat.jsonl")), "--seq-length", "32", "--global-batch-size",
                  "2", "--train-iters", "3", "--lr", "2e-2", "--lora-rank", "4", "--lora-alpha",
                  "8", "--lora-target-modules", "linear_qkv", "linear_proj",
-                 "--add-special-tokens", *NEW, "--save", run, "--log-interval", "10")
+                 "--add-special-tokens", *NEW, "--save", run, "--log-interval", "10",
+                 "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                 nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 250, (2, 12), generator=g)

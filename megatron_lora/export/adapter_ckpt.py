@@ -77,7 +77,7 @@ def prefix_tensors(info: MixtralInfo, table: torch.Tensor) -> Dict[str, torch.Te
     s = info.shape
     L, g, d = s.num_layers, s.num_query_groups, info.head_dim
     n = table.shape[0]
-    return {PREFIX_KV: table.reshape(n, 2, L, g, d).permute(2, 0, 1, 3, 4)}  # DEMO
+    return {PREFIX_KV: table.reshape(n, L, 2, g, d).permute(1, 0, 2, 3, 4)}
 
 
 def lora_config_from_dict(d: dict, source: str = "run metadata") -> LoraConfig:

@@ -53,11 +53,15 @@ def global_adapters(adapters) -> dict:
     from megatron_lora.lora.parallel import COLUMN
 
     from megatron_lora.lora.prefix import PrefixAttention, PrefixEncoder
+    from megatron_lora.lora.trainable_tokens import TrainableTokensEmbedding, TrainableTokensOutput
 
     out = {}
     for name, ad in adapters.items():
         if isinstance(ad, (PrefixAttention, PrefixEncoder)):
             out.update(_global_prefix(name, ad))
+            continue
+        if isinstance(ad, (TrainableTokensEmbedding, TrainableTokensOutput)):
+            out[f"{name}.rows"] = ad.trainable_tokens_delta.detach().clone()  # replicated
             continue
         out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
         m = getattr(ad, "magnitude", None)

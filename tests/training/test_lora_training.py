@@ -5,7 +5,9 @@ for DoRA (magnitudes compared too), and for prefix tuning, plain and with its sh
 the DoRA run at TP2xPP2xEP2+SP is off by up to 7.9e-3 in 6 of its 8 losses; without the sum of
 the prefix projection's replicated gradients over TP x PP (lora/prefix.py,
 reduce_shared_prefix_grads) 6 of 8 losses are off, by up to 2.6e-2 at PP2xEP2 and 3.4e-2 at
-TP2xPP2xEP2+SP."""
+TP2xPP2xEP2+SP; and trainable tokens (with LoRA on attention): without the rows'
+sequence_parallel mark (their TP sum under SP) 6 of 8 losses at TP2xPP2xEP2+SP are off (up to
+4.8e-3)."""
 
 import dataclasses
 import os
@@ -45,11 +47,18 @@ DORA = LoraConfig(r=4, lora_alpha=8, seed=11, lora_dropout=0.1, use_dora=True,
 PREFIX = LoraConfig(num_virtual_tokens=4, target_modules=(), seed=11)
 PREFIX_PROJ = LoraConfig(num_virtual_tokens=4, target_modules=(), seed=11,
                          prefix_projection=True, encoder_hidden_size=24)
-VARIANTS = {"lora": LORA, "dora": DORA, "prefix": PREFIX, "prefix_proj": PREFIX_PROJ}
+# Trainable tokens (lora/trainable_tokens.py) with LoRA on attention: the rows of ids 256 and 257
+# (every sample's first and last token) replicated [n, h], their gradients summed over TP under
+# SP and over stages by nothing (the embedding and output layer sit on different stages).
+TOKENS = LoraConfig(r=4, lora_alpha=8, seed=11, lora_dropout=0.1,
+                    target_modules=["linear_qkv", "linear_proj"],
+                    trainable_token_indices=(256, 257))
+VARIANTS = {"lora": LORA, "dora": DORA, "prefix": PREFIX, "prefix_proj": PREFIX_PROJ,
+            "tokens": TOKENS}
 # How much the loss falls at least over the STEPS steps, and the learning rate (a prefix of 4
 # tokens, initialised normal(0, 1) as PEFT does, needs a larger one).
-TRAINS = {"lora": 0.1, "dora": 0.1, "prefix": 0.1, "prefix_proj": 0.1}
-LR = {"lora": 3e-3, "dora": 3e-3, "prefix": 1e-1, "prefix_proj": 3e-2}
+TRAINS = {"lora": 0.1, "dora": 0.1, "prefix": 0.1, "prefix_proj": 0.1, "tokens": 0.1}
+LR = {"lora": 3e-3, "dora": 3e-3, "prefix": 1e-1, "prefix_proj": 3e-2, "tokens": 3e-3}
 
 
 def _optim(variant):

@@ -1,6 +1,6 @@
 """Half-precision adapters in training (train --lora-dtype): bf16 parameters and gradient buffers,
-fp32 master weights and Adam moments in megatron's optimizer, the same run at TP2+SP as at one rank
-(within bf16 rounding), checkpoints and PEFT exports in bf16, and an exact resume.
+fp32 master weights and Adam moments in megatron's optimizer, the same run at TP2+SP, PP2xEP2 and
+TP2xPP2xEP2+SP as at one rank (within bf16 rounding), checkpoints and PEFT exports in bf16, and an exact resume.
 
 The base model stays fp32 here (CPU); only the adapters are bf16, so every difference between the
 layouts comes from rounding the bf16 parameters and gradients."""
@@ -27,7 +27,7 @@ STEPS = 4
 # tests/lora/test_lora_dtype.py and by the exact bf16 resume below).
 LORA = LoraConfig(r=4, lora_alpha=8, seed=11, dtype="bf16", init_lora_weights=False,
                   target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-# TP2+SP against one rank, bf16 adapters on an fp32 base. The first step's gradients differ only
+# Each layout against one rank, bf16 adapters on an fp32 base. The first step's gradients differ only
 # by bf16 rounding (accumulated over 4 micro-batches in the bf16 buffer, and summed over TP in
 # bf16 under SP): a single element can be several ulps off when it is tiny, so each factor's
 # gradient is compared by the relative norm of its error, <= 2**-6 (measured <= 0.45 %, for
@@ -126,10 +126,15 @@ def bf16_reference(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["exact", "no-sp-grad-sum"])
-@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True)], ids=["TP2+SP"])
-@multirank(world_size=2, timeout=300)
-def test_bf16_adapters_tp2_sp_match_one_rank(layout, broken, bf16_reference):
+@pytest.mark.parametrize("layout,world_size,broken", [
+    pytest.param(ParallelLayout(tp=2, sp=True), 2, False, id="TP2+SP-exact"),
+    pytest.param(ParallelLayout(tp=2, sp=True), 2, True, id="TP2+SP-no-sp-grad-sum"),
+    pytest.param(ParallelLayout(pp=2, ep=2), 4, False, id="PP2xEP2-exact"),
+    pytest.param(ParallelLayout(tp=2, pp=2, ep=2, sp=True), 8, False,
+                 id="TP2xPP2xEP2+SP-exact"),
+])
+@multirank(world_size=lambda world_size, **_: world_size, timeout=300)
+def test_bf16_adapters_match_one_rank(layout, world_size, broken, bf16_reference):
     """broken: the replicated factors' partial gradients under SP (each rank's tokens) are not
     summed over TP (their `sequence_parallel` mark removed): the loss check must fail."""
     reference = load_file(os.path.join(bf16_reference, "reference.safetensors"))

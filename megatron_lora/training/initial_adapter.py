@@ -80,6 +80,10 @@ def _lora_value(dest: str, value):
         return dict(value or [])
     if dest == "lora_alpha":
         return float(value)
+    if dest == "num_virtual_tokens":  # not given: no prefix, as a LoRA adapter records it
+        return value or 0
+    if dest == "prefix_projection":
+        return bool(value)
     if dest == "lora_dtype":
         from megatron_lora.lora.model import lora_dtype
 

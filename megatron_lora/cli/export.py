@@ -13,6 +13,7 @@ print the iteration of the adapter checkpoint they exported.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from megatron_lora.cli.convert import HELP, parse_size
@@ -60,9 +61,13 @@ def _run(args) -> int:
             from megatron_lora.export.to_peft import export_peft
 
             notes = []
+            base_model = args.base_model_name
+            if base_model is None:  # the --load-hf folder, as the flag's help says
+                base_model = args.load_hf
+                if os.path.basename(base_model) == "config.json":
+                    base_model = os.path.dirname(base_model) or "."
             config = export_peft(args.adapter, args.save, hf_config=args.load_hf,
-                                 overwrite=args.overwrite, base_model=args.base_model_name,
-                                 notes=notes)
+                                 overwrite=args.overwrite, base_model=base_model, notes=notes)
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
             if config["peft_type"] == "PREFIX_TUNING":

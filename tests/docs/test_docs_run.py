@@ -69,7 +69,8 @@ OUTPUTS = {
     "docs/training.md": ["runs/lora/iter_0000010", "runs/lora/loss_curve.png", "runs/tb",
                          "data/train.idx", "data/train_targets.idx", "runs/indexed/iter_0000002",
                          "runs/chat/tokenizer/tokenizer.json", "chat-peft/adapter_config.json"],
-    "docs/lora.md": ["dora-adapter/adapter_config.json", "Mixtral-dora-merged/config.json"],
+    "docs/lora.md": ["dora-adapter/adapter_config.json", "Mixtral-dora-merged/config.json",
+                     "prefix-adapter/adapter_model.safetensors", "prefix-completions.jsonl"],
     "docs/index.md": ["parity"],
 }
 
@@ -115,6 +116,10 @@ def test_docs_page_commands_run_as_written(page, page_runs):
         assert len(config["trainable_token_indices"]["embed_tokens"]) == 2, config
     if page == "docs/lora.md":
         assert json.load(open(tmp_path / "dora-adapter/adapter_config.json"))["use_dora"] is True
+        prefix = json.load(open(tmp_path / "prefix-adapter/adapter_config.json"))
+        assert (prefix["peft_type"], prefix["num_virtual_tokens"]) == ("PREFIX_TUNING", 10)
+        (line,) = open(tmp_path / "prefix-completions.jsonl").read().splitlines()
+        assert len(json.loads(line)["token_ids"]) == 8
     if page == "docs/index.md":
         assert "all layouts agree with the single-rank run" in done.stdout, done.stdout[-2000:]
 

@@ -54,6 +54,15 @@ class PeftLora:
                 float(_lookup(self.alpha_pattern, names, self.lora_alpha)))
 
 
+
+def _bool_field(cfg: dict, name: str, path: str) -> bool:
+    """cfg[name] (false when absent); ConversionError naming the file and field otherwise."""
+    value = cfg.get(name, False)
+    if not isinstance(value, bool):
+        raise ConversionError(f"{path}: field {name} must be true or false, got "
+                              f"{json_value(value)}")
+    return value
+
 def _lookup(patterns: Dict[str, float], names, default):
     for key, value in patterns.items():
         for name in names:
@@ -135,10 +144,7 @@ def _read_prefix(cfg: dict, path: str) -> PeftPrefix:
     if sub not in (None, 1) or isinstance(sub, bool):
         raise ConversionError(f"{path}: field num_transformer_submodules={short(sub)}: a "
                               f"decoder-only model has 1 (2 is for encoder-decoder models)")
-    projection = cfg.get("prefix_projection", False)
-    if not isinstance(projection, bool):
-        raise ConversionError(f"{path}: field prefix_projection must be true or false, got "
-                              f"{json_value(projection)}")
+    projection = _bool_field(cfg, "prefix_projection", path)
     hidden = cfg.get("encoder_hidden_size")
     if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int)
                                or hidden < 1):
@@ -219,14 +225,8 @@ def read_adapter_config(directory: str) -> Union[PeftLora, PeftPrefix]:
                 raise ConversionError(f"{path}: field {name}[{json.dumps(key[:60])}] must be "
                                       f"{kind}, got {json_value(v)}")
         patterns[name] = dict(value)
-    use_rslora = cfg.get("use_rslora", False)
-    if not isinstance(use_rslora, bool):
-        raise ConversionError(f"{path}: field use_rslora must be true or false, got "
-                              f"{json_value(use_rslora)}")
-    use_dora = cfg.get("use_dora", False)
-    if not isinstance(use_dora, bool):
-        raise ConversionError(f"{path}: field use_dora must be true or false, got "
-                              f"{json_value(use_dora)}")
+    use_rslora = _bool_field(cfg, "use_rslora", path)
+    use_dora = _bool_field(cfg, "use_dora", path)
     tokens = _token_indices(cfg.get("trainable_token_indices"), path)
     return PeftLora(r=r, lora_alpha=float(alpha), use_rslora=use_rslora, use_dora=use_dora,
                     trainable_token_indices=tokens,

@@ -115,7 +115,11 @@ def test_export_writes_what_peft_writes(runs, mode, tmp_path):
     peft = json.load(open(os.path.join(theirs, "adapter_config.json")))
     assert set(peft) - set(mine) == {"peft_version"} and set(mine) <= set(peft)
     differ = {k for k in mine if mine[k] != peft[k]}
-    assert differ == {"base_model_name_or_path"}, {k: (mine[k], peft[k]) for k in differ}
+    if mode == "projection":  # the CLI: base_model_name_or_path is the --load-hf folder
+        assert mine["base_model_name_or_path"] == runs["hf"] and not differ, differ
+    else:  # the library without base_model: null, where PEFT names the model it wrapped
+        assert mine["base_model_name_or_path"] is None
+        assert differ == {"base_model_name_or_path"}, {k: (mine[k], peft[k]) for k in differ}
     assert mine["token_dim"] == 32 and mine["num_attention_heads"] == 2  # GQA: kv heads
     a, b = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (ours, theirs))
     assert list(a) == list(b) == ["prompt_embeddings"]

@@ -10,6 +10,8 @@ own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward
     frozen      base frozen except the final norm (the floor a LoRA step can approach)
     lora        LoRA r=16 on linear_qkv, linear_proj and every expert's fc1/fc2, base frozen
     full        every parameter trained
+    dora        the LoRA of `lora` with DoRA (train --lora-use-dora)
+    prefix      prefix tuning, 20 virtual tokens per layer (train --peft-type prefix)
     lora_sequential / frozen_sequential   the same with megatron's SequentialMLP experts
 Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
 wall time), tokens/s, peak memory (torch.cuda.max_memory_allocated, reset per mode).
@@ -22,7 +24,8 @@ input-gradient products; frozen weights get no weight gradient; the LoRA factors
 not counted). MFU = model TFLOP/s / --peak-tflops (989: H200 dense bf16).
 
 Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, model_tflops, mfu,
-peak_memory_bytes; lora_over_frozen and lora_over_full (step-time ratios),
+peak_memory_bytes; lora_over_frozen, lora_over_full, dora_over_lora and prefix_over_lora
+(step-time ratios),
 grouped_over_sequential_lora and _frozen; the shape; seconds. Designed to finish well inside 8
 minutes on an H200 (model builds dominate).
 """
@@ -96,8 +99,11 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model = build(shape, grouped, dtype, device)
-    if mode == "lora":
-        apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS), verbose=False)
+    if mode in ("lora", "dora"):
+        apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
+                                     use_dora=mode == "dora"), verbose=False)
+    elif mode == "prefix":
+        apply_lora(model, LoraConfig(num_virtual_tokens=20, target_modules=()), verbose=False)
     elif mode == "frozen":
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith("decoder.final_layernorm")
@@ -166,7 +172,8 @@ def main(argv=None) -> int:
     from megatron_lora.runtime import ParallelLayout
 
     runtime.initialize(ParallelLayout(), seed=1234)
-    modes = [("frozen", True), ("lora", True), ("full", True), ("lora", False), ("frozen", False)]
+    modes = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
+             ("lora", False), ("frozen", False)]
     results = {}
     for mode, grouped in modes:
         key = mode if grouped else f"{mode}_sequential"
@@ -185,6 +192,8 @@ def main(argv=None) -> int:
         "modes": results,
         "lora_over_frozen": round(ms["lora"] / ms["frozen"], 4),
         "lora_over_full": round(ms["lora"] / ms["full"], 4),
+        "dora_over_lora": round(ms["dora"] / ms["lora"], 4),
+        "prefix_over_lora": round(ms["prefix"] / ms["lora"], 4),
         "grouped_over_sequential_lora": round(ms["lora"] / ms["lora_sequential"], 4),
         "grouped_over_sequential_frozen": round(ms["frozen"] / ms["frozen_sequential"], 4),
         "flop_formula": "full 6N + attention, lora/frozen 4N + attention; attention = 3*4*L*s*h/2",

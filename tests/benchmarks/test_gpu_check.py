@@ -21,7 +21,8 @@ def test_gpu_check_smoke_on_cpu():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     modes = result["modes"]
-    assert set(modes) == {"frozen", "lora", "full", "lora_sequential", "frozen_sequential"}
+    assert set(modes) == {"frozen", "lora", "full", "dora", "prefix", "lora_sequential",
+                          "frozen_sequential"}
     for name, mode in modes.items():
         assert mode["ms_per_step"] > 0 and mode["tokens_per_s"] > 0, name
         assert mode["model_tflops"] >= 0 and 0 <= mode["mfu"] < 1, name
@@ -30,7 +31,11 @@ def test_gpu_check_smoke_on_cpu():
     assert trainable["frozen"] == result["shape"]["hidden_size"]
     assert trainable["frozen"] < trainable["lora"] < trainable["full"]
     assert trainable["lora"] == trainable["lora_sequential"]
+    assert trainable["frozen"] < trainable["prefix"] < trainable["full"]
+    assert trainable["lora"] < trainable["dora"] < trainable["full"]  # + the magnitudes
     ms = {name: mode["ms_per_step"] for name, mode in modes.items()}
+    assert result["dora_over_lora"] == pytest.approx(ms["dora"] / ms["lora"], rel=1e-3)
+    assert result["prefix_over_lora"] == pytest.approx(ms["prefix"] / ms["lora"], rel=1e-3)
     assert result["lora_over_frozen"] == pytest.approx(ms["lora"] / ms["frozen"], rel=1e-3)
     assert result["lora_over_full"] == pytest.approx(ms["lora"] / ms["full"], rel=1e-3)
     assert result["grouped_over_sequential_lora"] == pytest.approx(

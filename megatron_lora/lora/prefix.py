@@ -26,7 +26,7 @@ Parallel state of the parameters:
 - Sequence parallelism does not reach the core attention (the sequence is gathered before it).
 
 Collectives added: none in forward or backward; with projection one all-reduce of
-n * (td + 1) * enc + n * td elements over TP x PP per optimizer step.
+n * td + enc * (td + 1) elements (E, W1, b1) over TP x PP per optimizer step.
 """
 
 from __future__ import annotations

@@ -176,15 +176,12 @@ def test_recomputed_gradients_equal_those_without(layout, world_size, dispatcher
     assert _worst(grads, ref) > 1000 * RTOL
 
 
-@multirank(world_size=1, timeout=300)
-def test_expert_only_adapters_get_their_gradients(layout=ParallelLayout()):
-    """LoRA on the experts alone: no MoE layer's input requires grad (each recomputed MoE
-    region's output would not either), so without require_decoder_input_grad no expert adapter
-    gets a gradient."""
+def _same_gradients_with_recomputation(layout, lora, recomputations, control):
+    """One-rank run of `lora` without recomputation, then with each of `recomputations`: same
+    loss and gradients, every adapter parameter's non-zero. Returns the gradients of a run with
+    `control` recomputation when require_decoder_input_grad does nothing."""
     from megatron_lora.models import recompute
 
-    lora = LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.1, init_lora_weights=False, seed=5,
-                      target_modules=["linear_fc1", "linear_fc2"])
     rng_states = mrandom._get_all_rng_states()
     base = build_gpt_model(SHAPE, transformer_config(SHAPE, layout))
     apply_lora(base, lora, verbose=False)
@@ -192,21 +189,33 @@ def test_expert_only_adapters_get_their_gradients(layout=ParallelLayout()):
     del base
     ref_loss, ref, adapters, _ = _run(layout, "allgather", lora, weights, rng_states, {})
     assert sorted(ref) == sorted(adapters) and all(float(g.abs().max()) > 0 for g in ref.values())
-    selective_moe = dict(recompute_granularity="selective", recompute_modules=["moe"])
-    for overrides in (RECOMPUTE["full_block"], selective_moe):
+    for overrides in recomputations:
         loss, grads, _, count = _run(layout, "allgather", lora, weights, rng_states, overrides)
         assert count > 0 and float(loss) == pytest.approx(float(ref_loss), rel=RTOL)
         assert sorted(grads) == sorted(ref)
         for n, g in ref.items():
             torch.testing.assert_close(grads[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
                                        msg=f"{overrides}: gradient of {n}")
-    # Control: without the hook no adapter gets a gradient, and nothing says so.
     real = recompute.require_decoder_input_grad
     recompute.require_decoder_input_grad = lambda model: False
     try:
-        _, grads, _, _ = _run(layout, "allgather", lora, weights, rng_states, selective_moe)
+        _, grads, _, count = _run(layout, "allgather", lora, weights, rng_states, control)
     finally:
         recompute.require_decoder_input_grad = real
+    return grads, count, adapters
+
+
+@multirank(world_size=1, timeout=300)
+def test_expert_only_adapters_get_their_gradients(layout=ParallelLayout()):
+    """LoRA on the experts alone: no MoE layer's input requires grad (each recomputed MoE
+    region's output would not either), so without require_decoder_input_grad no expert adapter
+    gets a gradient."""
+    lora = LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.1, init_lora_weights=False, seed=5,
+                      target_modules=["linear_fc1", "linear_fc2"])
+    selective_moe = dict(recompute_granularity="selective", recompute_modules=["moe"])
+    grads, _, _ = _same_gradients_with_recomputation(
+        layout, lora, (RECOMPUTE["full_block"], selective_moe), selective_moe)
+    # Control: without the hook no adapter gets a gradient, and nothing says so.
     assert grads == {}, sorted(grads)
 
 
@@ -301,32 +310,12 @@ def test_prefix_tuning_gets_its_gradients_through_recomputed_attention(layout=Pa
     nothing entering it requires grad, so unless apply_prefix makes the decoder input require
     grad the prefix gets no gradient (the control below). Full and core_attn-only recomputation
     give the gradients of the run without."""
-    from megatron_lora.models import recompute
-
     prefix = LoraConfig(num_virtual_tokens=3, target_modules=(), prefix_projection=True,
                         encoder_hidden_size=8, seed=5)
-    rng_states = mrandom._get_all_rng_states()
-    base = build_gpt_model(SHAPE, transformer_config(SHAPE, layout))
-    apply_lora(base, prefix, verbose=False)
-    weights = {n: p.detach().clone() for n, p in base.named_parameters()}
-    del base
-    ref_loss, ref, adapters, _ = _run(layout, "allgather", prefix, weights, rng_states, {})
-    assert sorted(ref) == sorted(adapters) and all(float(g.abs().max()) > 0 for g in ref.values())
-    assert any("prefix_encoder" in n for n in adapters)
     core_attn = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    for overrides in (RECOMPUTE["full_block"], core_attn):
-        loss, grads, _, count = _run(layout, "allgather", prefix, weights, rng_states, overrides)
-        assert count > 0 and float(loss) == pytest.approx(float(ref_loss), rel=RTOL)
-        assert sorted(grads) == sorted(ref)
-        for n, g in ref.items():
-            torch.testing.assert_close(grads[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
-                                       msg=f"{overrides}: gradient of {n}")
-    real = recompute.require_decoder_input_grad
-    recompute.require_decoder_input_grad = lambda model: False
-    try:
-        _, grads, _, count = _run(layout, "allgather", prefix, weights, rng_states, core_attn)
-    finally:
-        recompute.require_decoder_input_grad = real
+    grads, count, adapters = _same_gradients_with_recomputation(
+        layout, prefix, (RECOMPUTE["full_block"], core_attn), core_attn)
+    assert any("prefix_encoder" in n for n in adapters)
     # The control: no prefix parameter got a gradient (and no checkpointed region was even
     # recomputed, since no output of one required grad).
     assert count == 0 and not grads, {n: float(g.abs().max()) for n, g in grads.items()}

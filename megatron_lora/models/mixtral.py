@@ -209,7 +209,7 @@ class MixtralInfo:
         """Every problem of LoraConfig `lora` for this model, from the sizes alone (pure: every
         rank finds the same ones before the model is built). names: rank_name / targets_name
         for the messages (a CLI passes its flags)."""
-        from megatron_lora.lora.model import config_problems
+        from megatron_lora.lora.sizes import config_problems
 
         s = self.shape
         sizes = SimpleNamespace(  # the TransformerConfig fields mixtral_config sets

@@ -1,0 +1,126 @@
+"""The problems of a LoraConfig for a model of given sizes, found without the model.
+
+Pure functions of the config and a TransformerConfig (or any object with its size fields), so
+every rank finds the same problems before anything is built or communicated: targets the model
+does not have, ranks larger than a targeted weight allows, rank or alpha patterns that match no
+adapter, and ranks that vary within a kind (checkpoints stack a kind over layers and experts).
+`lora.model` uses them on a built model; `models.mixtral.MixtralInfo.lora_problems` before one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Tuple
+
+from megatron_lora.lora.targets import KINDS
+
+
+def model_kinds(config) -> Tuple[str, ...]:
+    """The target kinds a megatron GPT model with TransformerConfig `config` has (any stage)."""
+    kinds = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "embedding", "output_layer"]
+    if config.num_moe_experts:
+        kinds.insert(4, "router")
+    return tuple(k for k in KINDS if k in kinds)
+
+
+def _features(config, kind: str, vocab_size: int) -> Tuple[Tuple[int, str], Tuple[int, str]]:
+    """((in_features, what), (out_features, what)) of a target kind's global weight, from the
+    config alone; `what` names the model sizes each comes from (for messages)."""
+    h = config.hidden_size
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    ffn = config.moe_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
+    fc1 = ffn * (2 if config.gated_linear_unit else 1)
+    hid, inter = (h, "hidden size"), (ffn, "ffn hidden size")
+    return {
+        "linear_qkv": (hid, ((heads + 2 * groups) * d, "(heads + 2 kv heads) x head dim")),
+        "linear_proj": ((heads * d, "heads x head dim"), hid),
+        "linear_fc1": (hid, (fc1, "2 x ffn hidden size" if config.gated_linear_unit
+                             else "ffn hidden size")),
+        "linear_fc2": (inter, hid),
+        "router": (hid, (config.num_moe_experts or 0, "number of experts")),
+        "embedding": ((vocab_size, "vocabulary"), hid),
+        "output_layer": (hid, (vocab_size, "vocabulary")),
+    }[kind]
+
+
+def config_problems(config, sizes, vocab_size: int, *, rank_name: str = "LoraConfig.r",
+                    pattern_name: str = "rank_pattern",
+                    targets_name: str = "target_modules",
+                    alpha_pattern_name: str = "alpha_pattern") -> List[str]:
+    """Every problem of `config` for a model of these sizes, without the model (pure, so every
+    rank finds the same ones before building anything or communicating).
+
+    sizes: a TransformerConfig, or any object with its size fields (num_layers, hidden_size,
+        num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size,
+        moe_ffn_hidden_size, num_moe_experts, gated_linear_unit).
+    rank_name / pattern_name / targets_name / alpha_pattern_name: how the messages call r,
+        rank_pattern, target_modules and alpha_pattern (a CLI passes its flags, e.g.
+        "--lora-rank").
+
+    A rank_pattern or alpha_pattern key that matches no targeted adapter's global name is a
+    problem (it would otherwise be ignored silently).
+    """
+    available = model_kinds(sizes)
+    missing = [k for k in config.target_modules if k not in available]
+    if missing:
+        return [f"LoRA targets {missing} ({targets_name}) do not exist in this model; its targets "
+                f"are {', '.join(available)}"]
+    problems = _unmatched_pattern_problems(config, sizes, pattern_name, alpha_pattern_name,
+                                           targets_name)
+    for kind in config.target_modules:
+        (n_in, what_in), (n_out, what_out) = _features(sizes, kind, vocab_size)
+        limit = min(n_in, n_out)
+        ranks = {config.adapter_config(n).rank for n in _global_names(kind, sizes)}
+        too_big = sorted(r for r in ranks if r > limit)
+        if too_big:
+            source = rank_name if too_big[-1] == config.r else f"{rank_name} or {pattern_name}"
+            problems.append(
+                f"LoRA rank {too_big[-1]} ({source}) exceeds min(in_features, out_features) = "
+                f"{limit} of {kind} (in_features {n_in} = {what_in}, out_features {n_out} = "
+                f"{what_out}); use a rank <= {limit} (for {kind} alone: {pattern_name} "
+                f"{kind}=R) or drop {kind} from {targets_name}")
+    return problems + _rank_consistency_problems(config, sizes, pattern_name)
+
+
+def _unmatched_pattern_problems(config, sizes, pattern_name: str,
+                                alpha_pattern_name: str, targets_name: str) -> List[str]:
+    names = [n for kind in config.target_modules for n in _global_names(kind, sizes)]
+    problems = []
+    for what, patterns in ((pattern_name, config.rank_pattern),
+                           (alpha_pattern_name, config.alpha_pattern)):
+        for pattern in patterns:
+            if not any(re.search(pattern, n) for n in names):
+                problems.append(
+                    f"{what} {pattern!r} matches no adapter of this model (it is searched in the "
+                    f"global names of the {targets_name} adapters, e.g. {names[0]!r} ... "
+                    f"{names[-1]!r})")
+    return problems
+
+
+def _global_names(kind: str, tconf) -> List[str]:
+    layers = range(tconf.num_layers)
+    if kind in ("embedding", "output_layer"):
+        return [kind]
+    if kind == "router":
+        return [f"decoder.layers.{l}.mlp.router" for l in layers]
+    if kind in ("linear_qkv", "linear_proj"):
+        return [f"decoder.layers.{l}.self_attention.{kind}" for l in layers]
+    if tconf.num_moe_experts:
+        return [f"decoder.layers.{l}.mlp.experts.{e}.{kind}" for l in layers
+                for e in range(tconf.num_moe_experts)]
+    return [f"decoder.layers.{l}.mlp.{kind}" for l in layers]
+
+
+def _rank_consistency_problems(config, tconf,
+                               pattern_name: str = "rank_pattern") -> List[str]:
+    """Adapters of one kind are checkpointed as one tensor stacked over layers (and experts), as
+    megatron stores their base weights, so a rank_pattern may vary the rank between kinds but not
+    between layers or experts of one kind."""
+    problems = []
+    for kind in config.target_modules:
+        ranks = {config.adapter_config(n).rank for n in _global_names(kind, tconf)}
+        if len(ranks) > 1:
+            problems.append(f"{pattern_name} gives the {kind} adapters different ranks "
+                            f"{sorted(ranks)} across layers or experts; adapters of one kind share "
+                            f"one rank (they are checkpointed stacked over layers and experts)")
+    return problems

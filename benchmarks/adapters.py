@@ -37,12 +37,12 @@ def _build(hf_dir: str, use_dora: bool, targets, dtype=None, virtual_tokens: int
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.runtime import ParallelLayout
     from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
 
     info, hf, _ = open_hf(hf_dir)
-    model = build_mixtral_model(info, mixtral_config(info, ParallelLayout()))
+    model = build_model(info, model_config(info, ParallelLayout()))
     load_hf(model, info, hf)
     if virtual_tokens:  # prefix tuning (train --peft-type prefix), PEFT's defaults otherwise
         config = LoraConfig(num_virtual_tokens=virtual_tokens, target_modules=(), dtype=dtype)

@@ -59,14 +59,14 @@ def measure(sizes=(32, 256), reps: int = 3, no_cache: bool = True) -> dict:
     from megatron_lora import runtime
     from megatron_lora.inference import SamplingConfig, generate
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 
     runtime.init_process_group()
     layout = runtime.ParallelLayout()
     runtime.initialize(layout, seed=1)
     results = {}
     try:
-        shape = tiny_mixtral_shape(vocab_size=1024, hidden_size=256, ffn_hidden_size=512,
+        shape = tiny_moe_shape(vocab_size=1024, hidden_size=256, ffn_hidden_size=512,
                                    num_attention_heads=8, num_query_groups=4, num_experts=8,
                                    max_position_embeddings=PROMPT + max(sizes) + 8)
         model = build_gpt_model(shape, transformer_config(shape, layout), attention_backend="flash")

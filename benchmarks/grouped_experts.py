@@ -62,12 +62,12 @@ def build_experts(grouped: bool, experts: int, hidden: int, ffn: int, rank: int 
 
     from megatron_lora.lora import AdapterConfig
     from megatron_lora.lora.experts import wrap_experts
-    from megatron_lora.models.gpt import tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import tiny_moe_shape, transformer_config
     from megatron_lora.models.specs import local_layer_spec
     from megatron_lora.runtime import ParallelLayout
     from megatron_lora.runtime.versions import spec_submodules
 
-    shape = tiny_mixtral_shape(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts,
+    shape = tiny_moe_shape(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts,
                                num_layers=1, num_attention_heads=8, num_query_groups=8)
     config = transformer_config(shape, ParallelLayout(), dtype=dtype)
     spec = spec_submodules(local_layer_spec(experts, moe_grouped_gemm=grouped)).mlp

@@ -62,10 +62,10 @@ def _moe_step_bytes(layout, dispatcher):
     from megatron_lora.lora.accounting import record_collectives
     from megatron_lora.lora.experts import wrap_experts
     from megatron_lora.lora.router import wrap_router
-    from megatron_lora.models.gpt import tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import tiny_moe_shape, transformer_config
     from megatron_lora.models.specs import local_layer_spec
 
-    shape = tiny_mixtral_shape(hidden_size=H, ffn_hidden_size=FFN, num_experts=E,
+    shape = tiny_moe_shape(hidden_size=H, ffn_hidden_size=FFN, num_experts=E,
                                moe_router_topk=TOPK, num_layers=1)
     config = transformer_config(shape, layout, dispatcher=dispatcher)
     layer = MoELayer(config, submodules=local_layer_spec(E).submodules.mlp.submodules)

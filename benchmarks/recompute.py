@@ -111,13 +111,13 @@ def measure(seq: int = 256, batch: int = 2, reps: int = 3) -> dict:
 
     from megatron_lora import runtime
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 
     runtime.init_process_group()
     layout = runtime.ParallelLayout()
     runtime.initialize(layout, seed=1)
     try:
-        shape = tiny_mixtral_shape(max_position_embeddings=max(seq, 128))
+        shape = tiny_moe_shape(max_position_embeddings=max(seq, 128))
         lora = LoraConfig(r=8, lora_alpha=16.0, lora_dropout=0.1, init_lora_weights=False,
                           target_modules=["linear_qkv", "linear_proj", "linear_fc1",
                                           "linear_fc2"])

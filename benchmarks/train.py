@@ -51,7 +51,7 @@ def run_ours(args) -> dict:
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.runtime import ParallelLayout
     from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
     from megatron_lora.training.step import forward_backward
@@ -60,7 +60,7 @@ def run_ours(args) -> dict:
     layout = ParallelLayout()
     runtime.initialize(layout, seed=0)
     info, hf, _ = open_hf(args.hf)
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     load_hf(model, info, hf)
     apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=args.targets), verbose=False)
     wrapped, optimizer, _ = wrap_for_training([model], OptimConfig(lr=1e-4, train_iters=100,

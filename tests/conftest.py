@@ -17,10 +17,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 @multirank(world_size=1)
 def _build_tiny_reference(directory, layout):
-    from megatron_lora.models.gpt import tiny_mixtral_shape
+    from megatron_lora.models.gpt import tiny_moe_shape
     from megatron_lora.testing import parity
 
-    parity.run_reference(directory, tiny_mixtral_shape())
+    parity.run_reference(directory, tiny_moe_shape())
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from megatron_lora.cli.convert import parse_size  # noqa: E402
 from megatron_lora.convert.atomic import atomic_directory  # noqa: E402
 from megatron_lora.convert.mapping import hf_shapes  # noqa: E402
 from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter, nbytes  # noqa: E402
-from megatron_lora.models.mixtral import MixtralInfo  # noqa: E402
+from megatron_lora.families import model_info  # noqa: E402
 
 MIXTRAL_8X7B = {
     "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
@@ -45,7 +45,7 @@ def _hf_order(name: str):
 
 def make(out: str, layers: int, shard_bytes: int, seed: int = 0, overwrite: bool = False) -> dict:
     cfg = dict(MIXTRAL_8X7B, num_hidden_layers=layers)
-    info = MixtralInfo.from_hf_config(cfg)
+    info = model_info(cfg)
     dtype = torch.bfloat16
     shapes = sorted(hf_shapes(info).items(), key=lambda kv: _hf_order(kv[0]))
     shards, size = [[]], 0

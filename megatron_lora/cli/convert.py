@@ -70,7 +70,7 @@ def is_adapter_checkpoint(path: str) -> bool:
 
 def _run(args) -> int:
     from megatron_lora.convert.errors import ConversionError
-    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.families import ModelConfigError
 
     try:
         if args.direction == "hf-to-mcore":
@@ -93,7 +93,7 @@ def _run(args) -> int:
             mcore_to_hf(args.load, args.save, hf_config=args.hf_config,
                         max_shard_bytes=args.max_shard_size,
                         overwrite=args.overwrite, progress=not args.no_progress)
-    except (ConversionError, MixtralConfigError) as exc:
+    except (ConversionError, ModelConfigError) as exc:
         print(f"megatron-lora convert {args.direction}: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.save}", file=sys.stderr)

@@ -54,7 +54,7 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from megatron_lora.convert.errors import ConversionError
-    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.families import ModelConfigError
 
     try:
         if args.format == "peft":
@@ -86,7 +86,7 @@ def _run(args) -> int:
                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                              progress=not args.no_progress)
         exported = _adapter_iteration(args.adapter)  # read and checked by the export already
-    except (ConversionError, MixtralConfigError) as exc:
+    except (ConversionError, ModelConfigError) as exc:
         print(f"megatron-lora export {args.format}: error: {exc}", file=sys.stderr)
         return 2
     print(f"exported iteration {exported[0]} of {args.adapter} ({exported[1]})", file=sys.stderr)

@@ -81,7 +81,7 @@ def _run(args) -> int:
     from megatron_lora.convert.errors import ConversionError
     from megatron_lora.data.tokenizers import TokenizerError, load_tokenizer
     from megatron_lora.inference.prompts import PromptError, prompt_ids, read_prompts
-    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.families import ModelConfigError
     from megatron_lora.runtime import LayoutError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -114,7 +114,7 @@ def _run(args) -> int:
         check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
             "--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
             "--adapter": args.adapter, "--prompts": args.prompts, "--tokenizer": args.tokenizer})
-    except (ConversionError, MixtralConfigError, LayoutError, TokenizerError, PromptError,
+    except (ConversionError, ModelConfigError, LayoutError, TokenizerError, PromptError,
             ValueError) as exc:
         return _fail(str(exc))
     return _generate_all(args, layout, info, hf, dtype, lora, tokenizer, records, prompts,

@@ -38,12 +38,12 @@ def register(sub) -> None:
 def _run(args) -> int:
     from megatron_lora.convert.errors import ConversionError
     from megatron_lora.export.from_peft import import_peft
-    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.families import ModelConfigError
 
     try:
         report = import_peft(args.adapter, args.save, hf_config=args.load_hf,
                              overwrite=args.overwrite)
-    except (ConversionError, MixtralConfigError) as exc:
+    except (ConversionError, ModelConfigError) as exc:
         print(f"megatron-lora import peft: error: {exc}", file=sys.stderr)
         return 2
     cfg = report["config"]

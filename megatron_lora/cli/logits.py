@@ -95,7 +95,7 @@ def _run(args) -> int:
     import torch
 
     from megatron_lora.convert.errors import ConversionError
-    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.families import ModelConfigError
     from megatron_lora.runtime import LayoutError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -128,7 +128,7 @@ def _run(args) -> int:
         check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
             "--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
             "--adapter": args.adapter, "--tokens": args.tokens})
-    except (ConversionError, MixtralConfigError, LayoutError, ValueError) as exc:
+    except (ConversionError, ModelConfigError, LayoutError, ValueError) as exc:
         print(f"megatron-lora logits: error: {exc}", file=sys.stderr)
         return 2
     return _compute(args, layout, info, hf, tokens, torch.bfloat16 if args.bf16 else torch.float32,

@@ -6,7 +6,7 @@ from typing import Optional
 
 
 def open_model_source(args, layout, world_size: int, dtype):
-    """(MixtralInfo, HFCheckpoint or None) of --load-hf / --load (+ --hf-config), with the layout
+    """(ModelInfo, HFCheckpoint or None) of --load-hf / --load (+ --hf-config), with the layout
     checked against the model (flags named) and the config against the checkpoint and the memory
     per rank. Local to this rank (no collective); raises the errors the commands report."""
     from megatron_lora.convert.checks import check_before_build
@@ -33,14 +33,14 @@ def build_model(info, layout, dtype, *, hf=None, load: Optional[str] = None,
     must be initialised for `layout`.
 
     attention_backend / moe_grouped_gemm: as the CLI flags; a named local core attention or
-    grouped experts mean the local layers, otherwise the usual choice of build_mixtral_model."""
+    grouped experts mean the local layers, otherwise the usual choice of build_model."""
     from megatron_lora import runtime
     from megatron_lora.convert.load import load_hf, load_mcore
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
 
     local = attention_backend not in (None, "auto") or bool(moe_grouped_gemm)
-    model = build_mixtral_model(
-        info, mixtral_config(info, layout, dtype=dtype, dispatcher=dispatcher),
+    model = build_model(
+        info, model_config(info, layout, dtype=dtype, dispatcher=dispatcher),
         use_te=False if local else None, attention_backend=attention_backend,
         moe_grouped_gemm=moe_grouped_gemm)
     model.to(runtime.device())

@@ -34,11 +34,11 @@ def _run(args) -> int:
     import torch.distributed as dist
 
     from megatron_lora import runtime
-    from megatron_lora.models.gpt import tiny_mixtral_shape
+    from megatron_lora.models.gpt import tiny_moe_shape
     from megatron_lora.runtime import ParallelLayout
     from megatron_lora.testing import parity
 
-    shape = tiny_mixtral_shape()
+    shape = tiny_moe_shape()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_lora.convert.errors import ConversionError
-from megatron_lora.models.mixtral import VOCAB_MULTIPLE, MixtralInfo
+from megatron_lora.families import VOCAB_MULTIPLE, ModelInfo
 from megatron_lora.runtime import ParallelLayout
 
 Dims = Tuple[Tuple[int, str], ...]  # per axis: (size, the config fields it comes from)
@@ -31,7 +31,7 @@ _ATTN, _MLP = "decoder.layers.self_attention.", "decoder.layers.mlp."
 _MAX_LISTED = 4
 
 
-def expected_shapes(info: MixtralInfo) -> Dict[str, Dims]:
+def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
     """Global shape of every megatron tensor of `info`'s model (as mapping.mcore_tensors makes
     them), each axis labelled with the config.json fields that give it. O(1) in the model size,
     so absurd sizes cost nothing to check."""
@@ -40,8 +40,9 @@ def expected_shapes(info: MixtralInfo) -> Dict[str, Dims]:
     n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
     vocab = (s.vocab_size, f"vocab_size={info.vocab_size} (padded to a multiple of "
                            f"{VOCAB_MULTIPLE}: {s.vocab_size})")
-    hid, ffn = (h, f"hidden_size={h}"), (f, f"intermediate_size={f}")
-    layers, experts = (L, f"num_hidden_layers={L}"), (E, f"num_local_experts={E}")
+    fam = info.family
+    hid, ffn = (h, f"hidden_size={h}"), (f, f"{fam.ffn_field}={f}")
+    layers, experts = (L, f"num_hidden_layers={L}"), (E, f"{fam.experts_field}={E}")
     heads = f"num_attention_heads={n}, num_key_value_heads={c.get('num_key_value_heads', n)}"
     out = {
         "embedding.word_embeddings.weight": (vocab, hid),
@@ -60,7 +61,7 @@ def expected_shapes(info: MixtralInfo) -> Dict[str, Dims]:
     return out
 
 
-def checkpoint_problems(info: MixtralInfo, directory: str, config_name: str) -> List[str]:
+def checkpoint_problems(info: ModelInfo, directory: str, config_name: str) -> List[str]:
     """Where the torch_dist checkpoint in `directory` disagrees with `info` (from config
     `config_name`, as the message should call it): tensors missing, or of another shape."""
     from megatron_lora.convert.dcp_read import TorchDistCheckpoint
@@ -103,7 +104,7 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def parameter_bytes_per_rank(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtype) -> int:
+def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: torch.dtype) -> int:
     """Bytes of model parameters the rank holding the largest pipeline stage allocates: its
     shards of [Vp/tp, h] embedding and output layer, of attention (TP) and of its E/ep experts
     (ETP), its whole norms and routers. Same on every rank."""
@@ -130,7 +131,7 @@ def gib(n: int) -> str:
     return f"about 10^{len(str(whole)) - 1} GiB"
 
 
-def memory_problems(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtype, *,
+def memory_problems(info: ModelInfo, layout: ParallelLayout, dtype: torch.dtype, *,
                     local_ranks: Optional[int] = None, host_bytes: Optional[int] = None,
                     device_bytes: Optional[int] = -1) -> List[str]:
     """The model does not fit: its parameters exceed this machine's memory (models are built on
@@ -165,7 +166,7 @@ def memory_problems(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtyp
     return problems
 
 
-def check_before_build(info: MixtralInfo, layout: ParallelLayout, dtype: torch.dtype, *,
+def check_before_build(info: ModelInfo, layout: ParallelLayout, dtype: torch.dtype, *,
                        load: Optional[str] = None, hf_config: Optional[str] = None) -> None:
     """Raise ConversionError (every problem, one message) if the model `info` describes does not
     match the torch_dist checkpoint `load` (when given) or does not fit in memory. hf_config: the

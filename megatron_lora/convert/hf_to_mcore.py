@@ -32,20 +32,19 @@ from megatron_lora.convert.mapping import (
 )
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.progress import byte_bar
-from megatron_lora.models.mixtral import MixtralInfo, read_hf_config
+from megatron_lora.families import ModelInfo, read_hf_config
 
 SIDECAR = "megatron_lora.json"
 HF_CONFIG = "hf_config.json"
 HF_FILES = "hf_files"
-FORMAT = "megatron_lora.mixtral.torch_dist"
 _PASSTHROUGH = ("generation_config.json", "special_tokens_map.json", "added_tokens.json",
                 "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja")
 
 
-def open_hf(hf_dir: str) -> Tuple[MixtralInfo, HFCheckpoint, torch.dtype]:
+def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
     """Read and check an HF Mixtral directory: (model info, safetensors reader, weights dtype).
 
-    Raises ConversionError / MixtralConfigError naming the file, tensor or config field."""
+    Raises ConversionError / ModelConfigError naming the file, tensor or config field."""
     info = read_hf_config(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     expected = hf_shapes(info)
@@ -92,17 +91,17 @@ def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bo
                 shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, HF_FILES, name))
 
 
-def write_sidecar(directory: str, info: MixtralInfo, dtype: torch.dtype) -> None:
+def write_sidecar(directory: str, info: ModelInfo, dtype: torch.dtype) -> None:
     with open(os.path.join(directory, HF_CONFIG), "w") as f:
         json.dump(info.hf_config, f, indent=2)
     with open(os.path.join(directory, SIDECAR), "w") as f:
-        json.dump({"format": FORMAT, "version": 1, "vocab_size": info.vocab_size,
+        json.dump({"format": info.family.checkpoint_format, "version": 1, "vocab_size": info.vocab_size,
                    "padded_vocab_size": info.shape.vocab_size,
                    "dtype": str(dtype).replace("torch.", "")}, f, indent=2)
 
 
-def read_mcore_info(mcore_dir: str, hf_config: str = None) -> MixtralInfo:
-    """MixtralInfo of a megatron checkpoint: from `hf_config` if given, else the checkpoint's own
+def read_mcore_info(mcore_dir: str, hf_config: str = None) -> ModelInfo:
+    """ModelInfo of a megatron checkpoint: from `hf_config` if given, else the checkpoint's own
     hf_config.json (written by hf-to-mcore). Also checks that the checkpoint's metadata and common
     state are plain data (ConversionError naming the file otherwise)."""
     if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):

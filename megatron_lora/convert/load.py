@@ -26,7 +26,7 @@ from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_files import HFCheckpoint
 from megatron_lora.convert.mapping import mcore_tensors
 from megatron_lora.convert.regions import assemble
-from megatron_lora.models.mixtral import MixtralInfo
+from megatron_lora.families import ModelInfo
 from megatron_lora.runtime.safe_load import CheckpointFileError, dist_load
 
 
@@ -54,7 +54,7 @@ def load_mcore(model: torch.nn.Module, directory: str) -> None:
     _apply(model, state, directory)
 
 
-def load_hf(model: torch.nn.Module, info: MixtralInfo, hf: HFCheckpoint) -> None:
+def load_hf(model: torch.nn.Module, info: ModelInfo, hf: HFCheckpoint) -> None:
     """Fill this rank's shards from HF safetensors (local: no collective)."""
     table = {t.key: t for t in mcore_tensors(info, _model_dtype(model))}
     sharded, _, factories = load_preprocess(_sharded_state_dict(model))

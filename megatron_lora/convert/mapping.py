@@ -1,4 +1,4 @@
-"""The one mapping between Hugging Face Mixtral tensors and megatron-core checkpoint tensors.
+"""The one mapping between a family's Hugging Face tensors and megatron-core checkpoint tensors.
 
 Every tool uses `mcore_tensors(info)`: hf-to-mcore writes each chunk from its source, `--load-hf`
 reads the part of each chunk a rank owns, mcore-to-hf reads each chunk's box back and `split`s it
@@ -6,6 +6,9 @@ into HF tensors.
 
 Megatron-side names are the keys of megatron-core's sharded state dict (torch_dist checkpoints):
 per-layer tensors are stacked on a leading layer axis [L, ...], expert tensors on [L, E, ...].
+
+HF names come from the family (`info.family.names`, families/family.py HFNames); the table shows
+Mixtral's.
 
 | HF (layer l, expert e)                                | megatron key, chunk                   |
 |-------------------------------------------------------|---------------------------------------|
@@ -34,7 +37,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megatron_lora.models.mixtral import MixtralInfo
+from megatron_lora.families import ModelInfo
 
 Slices = Tuple[slice, ...]
 
@@ -142,7 +145,7 @@ class ExtraState:
     unique_key: str
 
 
-def _vocab_tensor(key: str, hf_name: str, info: MixtralInfo, dtype) -> McoreTensor:
+def _vocab_tensor(key: str, hf_name: str, info: ModelInfo, dtype) -> McoreTensor:
     v, vp, h = info.vocab_size, info.shape.vocab_size, info.shape.hidden_size
     chunks = [Chunk((0, 0), (v, h), Direct(hf_name, (v, h)))]
     if vp > v:
@@ -150,7 +153,7 @@ def _vocab_tensor(key: str, hf_name: str, info: MixtralInfo, dtype) -> McoreTens
     return McoreTensor(key, (vp, h), tuple(chunks))
 
 
-def mcore_tensors(info: MixtralInfo, dtype: torch.dtype = None) -> List[McoreTensor]:
+def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTensor]:
     """Every megatron tensor of the model with the chunks that make it, in HF order.
 
     dtype: the dtype of zero padding rows (the checkpoint's dtype; default info.dtype).
@@ -159,7 +162,7 @@ def mcore_tensors(info: MixtralInfo, dtype: torch.dtype = None) -> List[McoreTen
     dtype = dtype or info.dtype
     L, E, h, f, d = s.num_layers, s.num_experts, s.hidden_size, s.ffn_hidden_size, info.head_dim
     n, g = s.num_attention_heads, s.num_query_groups
-    out = [_vocab_tensor("embedding.word_embeddings.weight", "model.embed_tokens.weight", info, dtype)]
+    out = [_vocab_tensor("embedding.word_embeddings.weight", info.family.names.embedding, info, dtype)]
     per_layer: Dict[str, List[Chunk]] = {}
 
     def layer(key: str, l: int, source) -> None:
@@ -170,19 +173,19 @@ def mcore_tensors(info: MixtralInfo, dtype: torch.dtype = None) -> List[McoreTen
         per_layer.setdefault(key, []).append(Chunk(offsets, (1, 1) + source.shape, source))
 
     attn, mlp = "decoder.layers.self_attention.", "decoder.layers.mlp."
+    names = info.family.names
     for l in range(L):
-        p = f"model.layers.{l}."
-        layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + "input_layernorm.weight", (h,)))
-        layer(attn + "linear_qkv.weight", l, QKV(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                                                 p + "self_attn.v_proj.weight", n, g, d, h))
-        layer(attn + "linear_proj.weight", l, Direct(p + "self_attn.o_proj.weight", (h, n * d)))
-        layer(mlp + "linear_fc1.layer_norm_weight", l, Direct(p + "post_attention_layernorm.weight", (h,)))
-        layer(mlp + "router.weight", l, Direct(p + "block_sparse_moe.gate.weight", (E, h)))
+        p = names.layer.format(l=l)
+        layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + names.input_norm, (h,)))
+        layer(attn + "linear_qkv.weight", l, QKV(p + names.q, p + names.k, p + names.v, n, g, d, h))
+        layer(attn + "linear_proj.weight", l, Direct(p + names.o, (h, n * d)))
+        layer(mlp + "linear_fc1.layer_norm_weight", l, Direct(p + names.post_attention_norm, (h,)))
+        layer(mlp + "router.weight", l, Direct(p + names.router, (E, h)))
         for e in range(E):
-            x = f"{p}block_sparse_moe.experts.{e}."
-            expert(mlp + "experts.experts.linear_fc1.weight", l, e, 0, Direct(x + "w1.weight", (f, h)))
-            expert(mlp + "experts.experts.linear_fc1.weight", l, e, f, Direct(x + "w3.weight", (f, h)))
-            expert(mlp + "experts.experts.linear_fc2.weight", l, e, 0, Direct(x + "w2.weight", (h, f)))
+            x = p + names.expert.format(e=e)
+            expert(mlp + "experts.experts.linear_fc1.weight", l, e, 0, Direct(x + names.expert_gate, (f, h)))
+            expert(mlp + "experts.experts.linear_fc1.weight", l, e, f, Direct(x + names.expert_up, (f, h)))
+            expert(mlp + "experts.experts.linear_fc2.weight", l, e, 0, Direct(x + names.expert_down, (h, f)))
     shapes = {
         attn + "linear_qkv.layer_norm_weight": (L, h),
         attn + "linear_qkv.weight": (L, (n + 2 * g) * d, h),
@@ -193,13 +196,13 @@ def mcore_tensors(info: MixtralInfo, dtype: torch.dtype = None) -> List[McoreTen
         mlp + "experts.experts.linear_fc2.weight": (L, E, h, f),
     }
     out += [McoreTensor(k, shapes[k], tuple(c)) for k, c in per_layer.items()]
-    out.append(McoreTensor("decoder.final_layernorm.weight", (h,), (Chunk((0,), (h,), Direct("model.norm.weight", (h,))),)))
+    out.append(McoreTensor("decoder.final_layernorm.weight", (h,), (Chunk((0,), (h,), Direct(info.family.names.final_norm, (h,))),)))
     if not s.tie_embeddings:
-        out.append(_vocab_tensor("output_layer.weight", "lm_head.weight", info, dtype))
+        out.append(_vocab_tensor("output_layer.weight", info.family.names.output, info, dtype))
     return out
 
 
-def extra_states(info: MixtralInfo) -> List[ExtraState]:
+def extra_states(info: ModelInfo) -> List[ExtraState]:
     """The ShardedObjects megatron-core's sharded state dict has for this model (all None)."""
     L, E = info.shape.num_layers, info.shape.num_experts
     out = []
@@ -213,7 +216,7 @@ def extra_states(info: MixtralInfo) -> List[ExtraState]:
     return out
 
 
-def hf_shapes(info: MixtralInfo) -> Dict[str, Tuple[int, ...]]:
+def hf_shapes(info: ModelInfo) -> Dict[str, Tuple[int, ...]]:
     """Every HF tensor name the model has, with the shape config.json implies."""
     out: Dict[str, Tuple[int, ...]] = {}
     for t in mcore_tensors(info):

@@ -3,7 +3,7 @@
 Reading: `AdapterCheckpoint(path)` opens an iteration folder (or a run folder, through its
 tracker) with `convert.dcp_read.TorchDistCheckpoint` (no torch.distributed, no pickled code),
 takes the LoraConfig from `common.pt` (`run_metadata.lora`, LoraConfig.to_dict()) and, given the
-model's MixtralInfo, checks every adapter tensor against the table (`table.KINDS`): known key,
+model's ModelInfo, checks every adapter tensor against the table (`table.KINDS`): known key,
 both factors present, global shapes as the config implies. Optimizer entries are ignored.
 
 Writing: `write_adapter_checkpoint` writes the same format from per-adapter factors produced on
@@ -44,7 +44,7 @@ from megatron_lora.convert.mapping import Chunk, McoreTensor
 from megatron_lora.export.table import KINDS, Kind, factor_shapes, magnitude_shape, sites
 from megatron_lora.jsonfile import reason
 from megatron_lora.lora.model import LoraConfig
-from megatron_lora.models.mixtral import MixtralInfo
+from megatron_lora.families import ModelInfo
 from megatron_lora.runtime.safe_load import CheckpointFileError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,7 +60,7 @@ ENCODER_E, ENCODER_W1, ENCODER_B1 = ("prefix_encoder.embedding", "prefix_encoder
                                      "prefix_encoder.bias")
 
 
-def prefix_shapes(info: MixtralInfo, config: LoraConfig) -> Dict[str, Tuple[int, ...]]:
+def prefix_shapes(info: ModelInfo, config: LoraConfig) -> Dict[str, Tuple[int, ...]]:
     """{checkpoint key: global shape} of a prefix-tuning config's tensors for the model `info`."""
     s = info.shape
     L, n, g, d = s.num_layers, config.num_virtual_tokens, s.num_query_groups, info.head_dim
@@ -71,7 +71,7 @@ def prefix_shapes(info: MixtralInfo, config: LoraConfig) -> Dict[str, Tuple[int,
             ENCODER_W1: (enc, g * d), ENCODER_B1: (enc,)}
 
 
-def prefix_tensors(info: MixtralInfo, table: torch.Tensor) -> Dict[str, torch.Tensor]:
+def prefix_tensors(info: ModelInfo, table: torch.Tensor) -> Dict[str, torch.Tensor]:
     """PEFT's prefix table [n, L * 2 * td] -> {PREFIX_KV: [L, n, 2, groups, head_dim]} (a view
     permuted; values unchanged), for write_adapter_checkpoint's `extra`."""
     s = info.shape
@@ -102,7 +102,7 @@ def lora_config_from_dict(d: dict, source: str = "run metadata") -> LoraConfig:
 class AdapterCheckpoint:
     """An adapter checkpoint opened for streamed reading; see the module docstring."""
 
-    def __init__(self, path: str, info: MixtralInfo):
+    def __init__(self, path: str, info: ModelInfo):
         from megatron_lora.training.checkpoint import read_run_metadata, resolve
 
         try:
@@ -281,7 +281,7 @@ class AdapterCheckpoint:
 FactorFn = Callable[[object], Tuple[torch.Tensor, torch.Tensor]]
 
 
-def write_adapter_checkpoint(save: str, info: MixtralInfo, ranks: Dict[str, int], factors: FactorFn,
+def write_adapter_checkpoint(save: str, info: ModelInfo, ranks: Dict[str, int], factors: FactorFn,
                              config: LoraConfig, dtype: torch.dtype, run_metadata: dict = None,
                              overwrite: bool = False,
                              extra: Dict[str, torch.Tensor] = None) -> None:

@@ -52,9 +52,10 @@ from megatron_lora.convert.errors import ConversionError
 from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
 from megatron_lora.export.peft_config import PeftPrefix, alpha_for, read_adapter_config
 from megatron_lora.export.peft_file import PeftAdapterFile
-from megatron_lora.export.table import KIND_PATTERN, KINDS, Site, factor_shapes, fuse_rows, sites
+from megatron_lora.export.table import (KIND_PATTERN, KINDS, Site, factor_shapes, fuse_rows,
+                                        hf_short, sites)
+from megatron_lora.families import read_hf_config
 from megatron_lora.lora.model import LoraConfig
-from megatron_lora.models.mixtral import read_hf_config
 
 
 @dataclass
@@ -216,8 +217,8 @@ def _check_dora_cover(pf: PeftAdapterFile, plans) -> None:
             if missing:
                 raise ConversionError(
                     f"{pf.path}: DoRA adapter (use_dora=true) without {missing[:3]}: importing "
-                    f"DoRA needs every layer's {' / '.join(site.kind.hf_short)} adapted together "
-                    f"(an untargeted row's magnitude would be its base weight's norm)")
+                    f"DoRA needs every layer's {' / '.join(hf_short(pf.info, site.kind))} adapted "
+                    f"together (an untargeted row's magnitude would be its base weight's norm)")
 
 
 def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool = False) -> dict:
@@ -244,7 +245,7 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
         if rank > _min_dim(info, kind):
             raise ConversionError(
                 f"{pf.path}: {kind.name} needs rank {rank} after fusing "
-                f"{list(kind.hf_short)}, more than min(in, out) = {_min_dim(info, kind)} of the "
+                f"{list(hf_short(info, kind))}, more than min(in, out) = {_min_dim(info, kind)} of the "
                 f"megatron weight")
         plans[kind.name], ranks[kind.name] = entries, rank
         for s, p in entries:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.families import FAMILIES
 from megatron_lora.jsonfile import json_value, read_json, short
 
 CONFIG_NAME = "adapter_config.json"
@@ -161,8 +162,10 @@ def _read_prefix(cfg: dict, path: str) -> PeftPrefix:
 def _check_auto_mapping(cfg: dict, path: str) -> None:
     auto = cfg.get("auto_mapping") or {}
     base_class = auto.get("base_model_class") if isinstance(auto, dict) else None
-    if base_class is not None and base_class != "MixtralForCausalLM":
-        raise ConversionError(f"{path}: adapter for {base_class}, not MixtralForCausalLM")
+    known = [a for fam in FAMILIES for a in fam.architectures]
+    if base_class is not None and base_class not in known:
+        raise ConversionError(f"{path}: adapter for {short(base_class)}, not a model of a "
+                              f"supported family ({', '.join(known)})")
 
 
 def read_adapter_config(directory: str) -> Union[PeftLora, PeftPrefix]:
@@ -253,21 +256,19 @@ def _token_indices(value, path: str) -> Tuple[int, ...]:
     return tuple(ids)
 
 
-# Module names (PEFT's short names) that transformers 5 keeps as bare parameters rather than
-# nn.Linear: the fused experts (w1/w3 -> gate_up_proj [E, 2f, h], w2 -> down_proj [E, h, f]) and
+# parameter_modules: module names (PEFT's short names) that transformers 5 keeps as bare
+# parameters rather than nn.Linear: the fused experts (Mixtral's w1/w3 -> gate_up_proj [E, 2f, h], w2 -> down_proj [E, h, f]) and
 # the router's weight. PEFT adapts them with lora.ParamWrapper, which refuses lora_dropout != 0
 # (it cannot apply dropout to the input of a parameter), so PeftModel.from_pretrained fails on an
 # adapter_config.json that targets them with dropout.
-PARAMETER_MODULES = ("gate", "w1", "w3", "w2")
-
-
-def inference_dropout(lora_dropout: float, target_modules: List[str]) -> Tuple[float, List[str]]:
+def inference_dropout(lora_dropout: float, target_modules: List[str],
+                      parameter_modules: Tuple[str, ...]) -> Tuple[float, List[str]]:
     """(lora_dropout for adapter_config.json, notes saying what was changed and why).
 
     Dropout is a training-time setting: PEFT applies it only in train mode, so inference (and
     merging) computes the same update with any value. 0 where PEFT's ParamWrapper requires it
-    (PARAMETER_MODULES targeted), else the trained value."""
-    wrapped = [m for m in target_modules if m in PARAMETER_MODULES]
+    (parameter_modules targeted: the family's HFNames.parameter_modules), else the trained value."""
+    wrapped = [m for m in target_modules if m in parameter_modules]
     if not lora_dropout or not wrapped:
         return lora_dropout, []
     return 0.0, [
@@ -281,15 +282,16 @@ def inference_dropout(lora_dropout: float, target_modules: List[str]) -> Tuple[f
 def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_modules: List[str],
                         rank_pattern: Dict[str, int], alpha_pattern: Dict[str, float],
                         lora_dropout: float = 0.0, base_model: Optional[str] = None,
-                        use_dora: bool = False, trainable_token_indices=None) -> dict:
-    """A complete PEFT LoRA adapter_config.json for a per-expert Mixtral adapter.
+                        use_dora: bool = False, trainable_token_indices=None,
+                        family) -> dict:
+    """A complete PEFT LoRA adapter_config.json for a per-expert adapter of a `family` model.
 
     trainable_token_indices: PEFT's {module name: [token ids]} (embed_tokens, lm_head), or None."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "auto_mapping": {"base_model_class": "MixtralForCausalLM",
-                         "parent_library": "transformers.models.mixtral.modeling_mixtral"},
+        "auto_mapping": {"base_model_class": family.base_model_class,
+                         "parent_library": family.transformers_module},
         "base_model_name_or_path": base_model,
         "r": r,
         "lora_alpha": lora_alpha,

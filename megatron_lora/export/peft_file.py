@@ -1,7 +1,10 @@
-"""The tensors of a PEFT LoRA `adapter_model.safetensors` for Mixtral, parsed and checked.
+"""The tensors of a PEFT LoRA `adapter_model.safetensors`, parsed and checked.
 
 Accepted keys (`base_model.model.` + module + `.lora_A.weight` / `.lora_B.weight`, the embedding
 `.lora_embedding_A` / `.lora_embedding_B`):
+
+Module names are the family's (`info.family.names`, with its `module_aliases` accepted too);
+the table shows Mixtral's.
 
 | module (transformers 4 per-expert names; `mlp.` accepted for `block_sparse_moe.`) | factors |
 |---|---|
@@ -36,13 +39,10 @@ from safetensors import safe_open
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import hf_shapes
 from megatron_lora.export.peft_config import WEIGHTS_NAME, PeftLora, PeftPrefix, scale
-from megatron_lora.models.mixtral import MixtralInfo
+from megatron_lora.families import ModelInfo
 
 _PREFIX = "base_model.model."
 _FACTOR = re.compile(r"^(?P<module>.+)\.(?:(?P<lin>lora_[AB])\.weight|(?P<emb>lora_embedding_[AB]))$")
-_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)$")
-_GATE = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts(?:\.base_layer)*$")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _SKIPPABLE = ("model.embed_tokens.base_layer.weight", "lm_head.base_layer.weight")
@@ -78,7 +78,7 @@ def _weights_path(directory: str) -> str:
     return path
 
 
-def read_prefix_table(directory: str, info: MixtralInfo, config: PeftPrefix) -> torch.Tensor:
+def read_prefix_table(directory: str, info: ModelInfo, config: PeftPrefix) -> torch.Tensor:
     """PEFT's prefix table [n, L * 2 * td] from `directory/adapter_model.safetensors`, after
     checking `config` (adapter_config.json) against the model (td = kv heads x head_dim, PEFT's
     GQA token_dim) and the file against `config`: one tensor `prompt_embeddings`, that shape,
@@ -115,6 +115,35 @@ def read_prefix_table(directory: str, info: MixtralInfo, config: PeftPrefix) -> 
                               f"corrupt?): {exc}") from None
 
 
+def _template(template: str) -> str:
+    """Regex of an HFNames template: `{l}` and `{e}` become (\\d+) groups, the rest is literal."""
+    out = re.escape(template)
+    for key in ("{l}", "{e}"):
+        out = out.replace(re.escape(key), r"(\d+)")
+    return out
+
+
+class _ModuleNames:
+    """A family's per-layer PEFT module names as regexes, and their canonical (on-disk) form."""
+
+    def __init__(self, family):
+        n, self.aliases = family.names, family.module_aliases
+        mod = lambda w: re.escape(w[: -len(".weight")])  # noqa: E731
+        self.layer, self.expert, self.router = n.layer, n.layer + n.expert, n.layer + n.router
+        self.attn = re.compile(f"^{_template(n.layer)}({'|'.join(mod(w) for w in (n.q, n.k, n.v, n.o))})$")
+        self.experts = re.compile(f"^{_template(self.expert)}("
+                                  f"{'|'.join(mod(w) for w in (n.expert_gate, n.expert_up, n.expert_down))})$")
+        self.gate = re.compile(f"^{_template(self.router[: -len('.weight')])}$")
+        self.attn_names = ", ".join(w[: -len(".weight")].rsplit(".", 1)[-1]
+                                    for w in (n.q, n.k, n.v, n.o))
+
+    def canonical(self, module: str) -> str:
+        """The on-disk module name of a name PEFT may use in memory (module_aliases)."""
+        for in_memory, on_disk in self.aliases:
+            module = module.replace(in_memory, on_disk)
+        return module
+
+
 class PeftAdapterFile:
     """`adapter_model.safetensors` of a PEFT LoRA for the model `info`.
 
@@ -122,9 +151,10 @@ class PeftAdapterFile:
     fused: {(layer, "gate_up" | "down"): Factor} (transformers 5 layout; rank is per expert)
     """
 
-    def __init__(self, directory: str, info: MixtralInfo, config: PeftLora):
+    def __init__(self, directory: str, info: ModelInfo, config: PeftLora):
         self.path = _weights_path(directory)
         self.info, self.config = info, config
+        self.names = _ModuleNames(info.family)
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         dtypes = {}
         try:
@@ -196,10 +226,10 @@ class PeftAdapterFile:
         if not self.config.use_dora:
             raise ConversionError(f"{self.path}: key {key!r} is a DoRA magnitude but "
                                   f"{self.config.path} does not set use_dora=true")
-        m = _ATTN.match(module)
+        m = self.names.attn.match(module)
         if not m:
             raise ConversionError(f"{self.path}: key {key!r}: DoRA imports for the attention "
-                                  f"projections (q_proj, k_proj, v_proj, o_proj) only")
+                                  f"projections ({self.names.attn_names}) only")
         self._layer(key, m.group(1))
         out = self._hf[module + ".weight"][0]
         if self.shapes[key] != (out,):
@@ -248,22 +278,23 @@ class PeftAdapterFile:
         fm = _FUSED.match(module)
         if fm:
             return self._add_fused(int(self._layer(a_key, fm.group(1))), a_key, b_key)
-        names = (module,)
-        if (m := _ATTN.match(module)):
+        names, mn = (module, ), self.names
+        on_disk = mn.canonical(module)
+        if (m := mn.attn.match(module)):
             self._layer(a_key, m.group(1))
             canonical = module
-        elif (m := _EXPERT.match(module)):
+        elif (m := mn.experts.match(on_disk)):
             self._layer(a_key, m.group(1), m.group(2))
-            canonical = f"model.layers.{m.group(1)}.block_sparse_moe.experts.{m.group(2)}.{m.group(3)}"
-        elif (m := _GATE.match(module)):
+            canonical = mn.expert.format(l=m.group(1), e=m.group(2)) + m.group(3)
+        elif (m := mn.gate.match(on_disk)):
             self._layer(a_key, m.group(1))
-            canonical = f"model.layers.{m.group(1)}.block_sparse_moe.gate"
+            canonical = mn.router.format(l=m.group(1))[: -len(".weight")]
             names = (module, module + ".weight")
         elif module in ("model.embed_tokens", "lm_head"):
             canonical = module
         else:
             raise ConversionError(f"{self.path}: key {a_key!r}: module {module!r} is not a "
-                                  f"Mixtral module this importer knows")
+                                  f"{self.info.family.base_model_class} module this importer knows")
         out, inp = self._hf[canonical + ".weight"]
         if module == "model.embed_tokens":  # A [r, V], B [h, r]
             out, inp = inp, out

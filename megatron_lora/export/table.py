@@ -1,4 +1,4 @@
-"""Where every LoRA factor of a Mixtral adapter checkpoint lives, on both sides.
+"""Where every LoRA factor of an adapter checkpoint lives, on both sides (any family).
 
 Derived from the one conversion table (`convert.mapping.mcore_tensors`): an adapter on a megatron
 weight has B with that weight's rows ([out, r]) and A with its columns ([r, in]), so the chunks of
@@ -18,7 +18,7 @@ and experts as leading axes, global expert index; `lead` = number of leading axe
 | embedding    | embedding.word_embeddings.lora_A [r, Vp]  | ...lora_B [h, r]           |
 | output_layer | output_layer.lora_A [r, h]                | output_layer.lora_B [Vp, r] |
 
-HF PEFT side (per-expert layout; keys `base_model.model.{module}.lora_A.weight` [r, in] and
+HF PEFT side (per-expert layout; module names from the family, Mixtral's shown; keys `base_model.model.{module}.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]; the embedding `base_model.model.model.embed_tokens.lora_embedding_A`
 [r, V] and `...lora_embedding_B` [h, r], update (B A)^T): the modules are the mapping's HF weight
 names without `.weight` (`model.layers.l.self_attn.q_proj`, `...block_sparse_moe.experts.e.w1`,
@@ -36,7 +36,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron_lora.convert.mapping import QKV, Direct, Zeros, mcore_tensors
-from megatron_lora.models.mixtral import MixtralInfo
+from megatron_lora.families import ModelInfo
 
 PEFT_PREFIX = "base_model.model."
 
@@ -49,7 +49,6 @@ class Kind:
     base_key: str
     prefix: str  # checkpoint keys are prefix + "lora_A" / "lora_B"
     lead: int  # leading (layer, expert) axes of the stacked checkpoint tensors
-    hf_short: Tuple[str, ...]  # PEFT target_modules names
 
     @property
     def a_key(self) -> str:
@@ -66,19 +65,17 @@ class Kind:
 
 
 KINDS: Tuple[Kind, ...] = (
-    Kind("embedding", "embedding.word_embeddings.weight", "embedding.word_embeddings.", 0,
-         ("embed_tokens",)),
+    Kind("embedding", "embedding.word_embeddings.weight", "embedding.word_embeddings.", 0),
     Kind("linear_qkv", "decoder.layers.self_attention.linear_qkv.weight",
-         "decoder.layers.self_attention.linear_qkv.", 1, ("q_proj", "k_proj", "v_proj")),
+         "decoder.layers.self_attention.linear_qkv.", 1),
     Kind("linear_proj", "decoder.layers.self_attention.linear_proj.weight",
-         "decoder.layers.self_attention.linear_proj.", 1, ("o_proj",)),
-    Kind("router", "decoder.layers.mlp.router.weight", "decoder.layers.mlp.router.lora.", 1,
-         ("gate",)),
+         "decoder.layers.self_attention.linear_proj.", 1),
+    Kind("router", "decoder.layers.mlp.router.weight", "decoder.layers.mlp.router.lora.", 1),
     Kind("linear_fc1", "decoder.layers.mlp.experts.experts.linear_fc1.weight",
-         "decoder.layers.mlp.experts.experts.linear_fc1.", 2, ("w1", "w3")),
+         "decoder.layers.mlp.experts.experts.linear_fc1.", 2),
     Kind("linear_fc2", "decoder.layers.mlp.experts.experts.linear_fc2.weight",
-         "decoder.layers.mlp.experts.experts.linear_fc2.", 2, ("w2",)),
-    Kind("output_layer", "output_layer.weight", "output_layer.", 0, ("lm_head",)),
+         "decoder.layers.mlp.experts.experts.linear_fc2.", 2),
+    Kind("output_layer", "output_layer.weight", "output_layer.", 0),
 )
 KIND_BY_NAME: Dict[str, Kind] = {k.name: k for k in KINDS}
 # re.search patterns selecting one kind among megatron's global adapter names (LoraConfig patterns)
@@ -100,6 +97,11 @@ def module_of(weight_name: str) -> str:
 
 def short_name(module: str) -> str:
     return module.rsplit(".", 1)[-1]
+
+
+def hf_short(info: ModelInfo, kind: Kind) -> Tuple[str, ...]:
+    """PEFT `target_modules` names of `kind` in `info`'s family (`q_proj`, `w1`, ...)."""
+    return info.family.names.kind_modules()[kind.name]
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ def _global_name(kind: str, index: Tuple[int, ...]) -> str:
     }[kind]
 
 
-def sites(info: MixtralInfo, kind: Kind) -> List[Site]:
+def sites(info: ModelInfo, kind: Kind) -> List[Site]:
     """Every adapter of `kind` in the model, in checkpoint order (layer, then expert)."""
     base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
     groups: Dict[Tuple[int, ...], List[Part]] = {}
@@ -159,13 +161,13 @@ def sites(info: MixtralInfo, kind: Kind) -> List[Site]:
             for idx, p in sorted(groups.items())]
 
 
-def in_features(info: MixtralInfo, kind: Kind) -> int:
+def in_features(info: ModelInfo, kind: Kind) -> int:
     """Columns of the base weight (A's columns); for the embedding, the padded vocabulary."""
     base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
     return base.shape[-1] if kind.name != "embedding" else base.shape[0]
 
 
-def factor_shapes(info: MixtralInfo, kind: Kind, rank: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+def factor_shapes(info: ModelInfo, kind: Kind, rank: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Global checkpoint shapes (A, B) of `kind` at rank `rank`."""
     base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
     lead = tuple(base.shape[: kind.lead])
@@ -209,7 +211,7 @@ def fuse_rows(part: Part, by_module: Dict[str, torch.Tensor], r: int, dtype) -> 
     return src.read(reader, (slice(0, part.rows), slice(0, r))).reshape(part.rows, r)
 
 
-def magnitude_shape(info: MixtralInfo, kind: Kind) -> Tuple[int, ...]:
+def magnitude_shape(info: ModelInfo, kind: Kind) -> Tuple[int, ...]:
     """Global checkpoint shape of `kind`'s DoRA magnitude: the base weight's leading axes and
     rows."""
     base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]

@@ -55,19 +55,16 @@ from megatron_lora.export.table import (
     sites,
     split_rows,
 )
-from megatron_lora.models.mixtral import read_hf_config
+from megatron_lora.families import read_hf_config
 
-# Short module names as PEFT lists them, in model order.
-_ORDER = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "w1", "w3", "w2", "lm_head")
-
-
-def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float]):
-    """rank_pattern, alpha_pattern (PEFT syntax) for modules whose (r, alpha) differ from default."""
+def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float], order):
+    """rank_pattern, alpha_pattern (PEFT syntax) for modules whose (r, alpha) differ from default;
+    order: the family's short module names in model order (HFNames.peft_order)."""
     by_short: Dict[str, set] = {}
     for module, v in values.items():
         by_short.setdefault(short_name(module), set()).add(v)
     rank_p, alpha_p = {}, {}
-    for short in sorted(by_short, key=_ORDER.index):
+    for short in sorted(by_short, key=order.index):
         vals = by_short[short]
         if len(vals) == 1:
             (r, alpha), = vals
@@ -82,10 +79,10 @@ def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float]):
     return rank_p, alpha_p
 
 
-def _default(values: Dict[str, Tuple[int, float]]) -> Tuple[int, float]:
+def _default(values: Dict[str, Tuple[int, float]], expert_gate: str) -> Tuple[int, float]:
     # transformers 5 fuses w1/w3 into gate_up_proj with PEFT's global r and lora_alpha (it ignores
     # patterns there), so the experts' values are the defaults when they are targeted.
-    experts = [v for m, v in values.items() if short_name(m) == "w1"]
+    experts = [v for m, v in values.items() if short_name(m) == expert_gate]
     if experts:
         return Counter(experts).most_common(1)[0][0]
     return Counter(values.values()).most_common(1)[0][0]
@@ -134,16 +131,19 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     for key in TOKEN_TENSORS.values():
         if tokens:
             entries.append((key, (len(tokens), info.shape.hidden_size), ckpt.dtype))
-    default = _default(values)
-    rank_p, alpha_p = _patterns(values, default)
-    shorts = sorted({short_name(m) for m in values}, key=_ORDER.index)
-    dropout, changed = inference_dropout(ckpt.config.lora_dropout, shorts)
+    names = info.family.names
+    default = _default(values, names.kind_modules()["linear_fc1"][0])
+    order = names.peft_order()
+    rank_p, alpha_p = _patterns(values, default, order)
+    shorts = sorted({short_name(m) for m in values}, key=order.index)
+    dropout, changed = inference_dropout(ckpt.config.lora_dropout, shorts,
+                                         names.parameter_modules())
     if notes is not None:
         notes.extend(changed)
     config = adapter_config_dict(
         r=default[0], lora_alpha=default[1], use_rslora=ckpt.config.use_rslora,
         target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
-        lora_dropout=dropout, base_model=base_model, use_dora=dora,
+        lora_dropout=dropout, base_model=base_model, use_dora=dora, family=info.family,
         trainable_token_indices={m: tokens for m in TOKEN_MODULES} if tokens else None)
     with atomic_directory(save, overwrite) as tmp:
         with StreamingSafetensorsWriter(os.path.join(tmp, WEIGHTS_NAME), entries) as w:

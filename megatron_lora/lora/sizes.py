@@ -4,7 +4,7 @@ Pure functions of the config and a TransformerConfig (or any object with its siz
 every rank finds the same problems before anything is built or communicated: targets the model
 does not have, ranks larger than a targeted weight allows, rank or alpha patterns that match no
 adapter, and ranks that vary within a kind (checkpoints stack a kind over layers and experts).
-`lora.model` uses them on a built model; `models.mixtral.MixtralInfo.lora_problems` before one.
+`lora.model` uses them on a built model; `model_problems` on a `families.ModelInfo` before one.
 """
 
 from __future__ import annotations
@@ -124,3 +124,9 @@ def _rank_consistency_problems(config, tconf,
                             f"{sorted(ranks)} across layers or experts; adapters of one kind share "
                             f"one rank (they are checkpointed stacked over layers and experts)")
     return problems
+
+
+def model_problems(config, info, **names) -> List[str]:
+    """Every problem of LoraConfig `config` for the model `info` (a families.ModelInfo), from its
+    sizes alone; names: rank_name / targets_name / ... for the messages (a CLI passes its flags)."""
+    return config_problems(config, info.lora_sizes(), info.shape.vocab_size, **names)

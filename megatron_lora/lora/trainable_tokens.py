@@ -80,14 +80,14 @@ def served_vocab(vocab_size: int, lora=None) -> int:
 
 
 def info_for_tokens(info, ids: Sequence[int], load: Optional[str] = None):
-    """The MixtralInfo a model training (or serving) the token ids is built from: `info` when
+    """The ModelInfo a model training (or serving) the token ids is built from: `info` when
     the ids fit its padded vocabulary, else one whose padded vocabulary grows to the next
     multiple of 128 holding them (the base rows [0, vocab_size) as loaded, the rest zero).
     Growing needs a base read from HF (--load-hf: its mapping zero-fills the grown rows); a
     megatron checkpoint (`load`) has a fixed row count: ValueError naming the flags."""
     import dataclasses
 
-    from megatron_lora.models.mixtral import padded_vocab_size
+    from megatron_lora.families import padded_vocab_size
 
     need = max((int(i) + 1 for i in ids), default=0)
     if need <= info.shape.vocab_size:

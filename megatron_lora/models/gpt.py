@@ -1,8 +1,8 @@
-"""Mixtral-family GPT models in megatron-core: sizes, TransformerConfig, and the model builder."""
+"""GPT models in megatron-core from a `ModelShape`: the TransformerConfig and the model builder."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 import torch
@@ -11,69 +11,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lora.families.shape import ModelShape, tiny_moe_shape  # noqa: F401 (re-exported)
 from megatron_lora.runtime.layout import ParallelLayout
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes that define a Mixtral-family decoder (names as in megatron-core)."""
-
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    num_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    max_position_embeddings: int = 4096
-    rotary_base: float = 1e6
-    norm_epsilon: float = 1e-5
-    tie_embeddings: bool = False
-
-    def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
-                    "num_attention_heads", "num_query_groups", "max_position_embeddings")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"ModelShape.hidden_size={self.hidden_size} is not a multiple of "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"ModelShape.num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_query_groups={self.num_query_groups}"
-            )
-        if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ValueError(
-                f"ModelShape.moe_router_topk={self.moe_router_topk} must be in "
-                f"[1, num_experts={self.num_experts}]"
-            )
-
-    def layout_sizes(self) -> dict:
-        """The sizes ParallelLayout.validate checks against."""
-        return dict(
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            num_experts=self.num_experts or 0,
-            ffn_hidden_size=None if self.num_experts else self.ffn_hidden_size,
-            moe_ffn_hidden_size=self.ffn_hidden_size if self.num_experts else None,
-        )
-
-
-def tiny_mixtral_shape(**overrides) -> ModelShape:
-    """A Mixtral-shaped model small enough for multi-rank CPU tests (GQA, 4 experts, top-2)."""
-    base = dict(
-        vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers=4,
-        num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
-        max_position_embeddings=128, rotary_base=1e6, norm_epsilon=1e-5,
-    )
-    base.update(overrides)
-    return ModelShape(**base)
 
 
 def transformer_config(
@@ -92,7 +31,7 @@ def transformer_config(
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
         ffn_hidden_size=shape.ffn_hidden_size,
-        kv_channels=shape.hidden_size // shape.num_attention_heads,
+        kv_channels=shape.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=True,

@@ -92,8 +92,9 @@ def _setup_checks(args, layout, world_size):
     configuration records what is used; the returned InitialAdapter says what to load (its
     temporary folder, if any, is removed here when a later check fails)."""
     from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.families import ModelConfigError
     from megatron_lora.lora.model import LoraConfig
-    from megatron_lora.models.mixtral import MixtralConfigError
+    from megatron_lora.lora.sizes import model_problems
     from megatron_lora.runtime import LayoutError
     from megatron_lora.training.loop import RunConfig
     from megatron_lora.training.optimizer import OptimConfig
@@ -169,9 +170,9 @@ def _setup_checks(args, layout, world_size):
                         wandb_exp_name=getattr(args, "wandb_exp_name", None),
                         wandb_save_dir=getattr(args, "wandb_save_dir", None))
         problems = run.batch_problems(layout.data_parallel_size(world_size))
-        problems += info.lora_problems(lora, rank_name="--lora-rank", pattern_name=
-                                       "--lora-rank-pattern", targets_name="--lora-target-modules",
-                                       alpha_pattern_name="--lora-alpha-pattern")
+        problems += model_problems(lora, info, rank_name="--lora-rank", pattern_name=
+                                   "--lora-rank-pattern", targets_name="--lora-target-modules",
+                                   alpha_pattern_name="--lora-alpha-pattern")
         if layout.sp and args.seq_length % layout.tp:
             problems.append(f"--seq-length {args.seq_length} is not divisible by "
                             f"--tensor-model-parallel-size {layout.tp} (sequence parallelism)")
@@ -202,7 +203,7 @@ def _setup_checks(args, layout, world_size):
         if initial is not None:
             initial.cleanup()
         if isinstance(exc, TrainSetupError) or not isinstance(
-                exc, (ConversionError, MixtralConfigError, LayoutError, ValueError, OSError)):
+                exc, (ConversionError, ModelConfigError, LayoutError, ValueError, OSError)):
             raise
         raise TrainSetupError(str(exc)) from None
     return info, hf, lora, run, optim, datasets, initial
@@ -365,7 +366,7 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
     from megatron_lora import runtime
     from megatron_lora.convert.load import load_hf, load_mcore
     from megatron_lora.lora.model import apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.models.recompute import recompute_overrides
     from megatron_lora.training.loop import ResumeMismatchError, train
 
@@ -377,7 +378,7 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
     _say(rank0, f"loading the base model ({base}, {layout.describe()} on {dist.get_world_size()} "
                 f"ranks, {str(dtype).replace('torch.', '')}) ...")
     loading = time.monotonic()
-    model = build_mixtral_model(info, mixtral_config(info, layout, dtype=dtype,
+    model = build_model(info, model_config(info, layout, dtype=dtype,
                                                      dispatcher=args.moe_token_dispatcher_type,
                                                      **recompute_overrides(
                                                          *_recompute_settings(args))),

@@ -163,7 +163,7 @@ def test_router_gets_its_own_rank_with_lora_rank_pattern(tiny, tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
 
     ckpt = AdapterCheckpoint(str(tmp_path / "run"), read_hf_config(tiny["hf"]))
     assert ckpt.config.rank_pattern == {"router": 4} and ckpt.config.r == 8

@@ -213,7 +213,7 @@ def _adapter_checkpoint(tiny, out, **lora):
     from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
     from megatron_lora.export.table import KINDS, factor_shapes
     from megatron_lora.lora.model import LoraConfig
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
 
     info = read_hf_config(os.path.join(tiny, "hf"))
     config = LoraConfig(**lora)

@@ -13,7 +13,7 @@ from megatron_lora.cli import main
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_to_mcore import hf_to_mcore
 from megatron_lora.convert.mcore_to_hf import mcore_to_hf
-from megatron_lora.models.mixtral import MixtralConfigError, read_hf_config
+from megatron_lora.families import ModelConfigError, read_hf_config
 from megatron_lora.runtime import ParallelLayout
 
 
@@ -78,7 +78,7 @@ def test_tensor_shape_disagreeing_with_config(hf_copy, tmp_path):
 
 def test_non_mixtral_architecture(hf_copy, tmp_path):
     edit_config(hf_copy, architectures=["LlamaForCausalLM"], model_type="llama")
-    msg = convert_fails(hf_copy, str(tmp_path / "out"), MixtralConfigError)
+    msg = convert_fails(hf_copy, str(tmp_path / "out"), ModelConfigError)
     assert "config.json" in msg and "architectures" in msg and "LlamaForCausalLM" in msg
 
 
@@ -164,10 +164,10 @@ def test_bad_layout_fails_on_every_rank_before_any_collective(tiny_mixtral, tmp_
     (dict(num_experts_per_tok=5), "moe_router_topk"),
 ])
 def test_config_fields_megatron_cannot_reproduce_are_named(tiny_mixtral, change, field):
-    from megatron_lora.models.mixtral import MixtralInfo
+    from megatron_lora.families import model_info
 
     with open(os.path.join(tiny_mixtral["hf"], "config.json")) as f:
         cfg = json.load(f)
     cfg.update(change)
-    with pytest.raises(MixtralConfigError, match=field):
-        MixtralInfo.from_hf_config(cfg)
+    with pytest.raises(ModelConfigError, match=field):
+        model_info(cfg)

@@ -17,7 +17,7 @@ from megatron_lora.convert.checks import (
 )
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import mcore_tensors
-from megatron_lora.models.mixtral import MixtralInfo, read_hf_config
+from megatron_lora.families import model_info, read_hf_config
 from megatron_lora.runtime import ParallelLayout
 from tests.convert.tiny import TINY_CONFIG
 from tests.harness import multirank
@@ -27,7 +27,7 @@ def _info(tiny_mixtral, **changes):
     with open(os.path.join(tiny_mixtral["hf"], "config.json")) as f:
         cfg = json.load(f)
     cfg.update(changes)
-    return MixtralInfo.from_hf_config(cfg)
+    return model_info(cfg)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -83,10 +83,10 @@ def test_bytes_per_rank_is_what_the_largest_rank_allocates(tiny_mixtral, layout)
     """Build the model at the layout and count: the estimate is the largest rank's bytes."""
     import torch.distributed as dist
 
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
 
     info = read_hf_config(tiny_mixtral["hf"])
-    model = build_mixtral_model(info, mixtral_config(info, layout), use_te=False)
+    model = build_model(info, model_config(info, layout), use_te=False)
     mine = torch.tensor(sum(p.numel() * p.element_size() for p in model.parameters()))
     largest = mine.clone()
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
@@ -136,7 +136,7 @@ def test_unreadable_checkpoint_metadata_json_is_named_once(tmp_path, content, me
     path = tmp_path / "metadata.json"
     if content is not None:
         path.write_bytes(content)
-    info = MixtralInfo.from_hf_config(dict(TINY_CONFIG, model_type="mixtral"))
+    info = model_info(dict(TINY_CONFIG, model_type="mixtral"))
     with pytest.raises(ConversionError) as err:
         check_before_build(info, ParallelLayout(), torch.float32, load=str(tmp_path))
     assert str(err.value).startswith(f"{path}: {message}"), str(err.value)

@@ -22,9 +22,9 @@ LAYOUTS = [
 
 def model_logits(info, layout, tokens, load):
     from megatron_lora.convert.logits import forward_logits
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
 
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     load(model)
     return forward_logits(model, tokens, info.vocab_size)
 

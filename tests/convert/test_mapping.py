@@ -53,10 +53,11 @@ def test_table_matches_megatron_sharded_state_dict(layout, tiny_mixtral):
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
     from megatron_lora.convert.mapping import extra_states, mcore_tensors
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config, read_hf_config
+    from megatron_lora.families import read_hf_config
+    from megatron_lora.models.build import build_model, model_config
 
     info = read_hf_config(tiny_mixtral["hf"])
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     sharded, _, _ = load_preprocess(model.sharded_state_dict(metadata={"dp_cp_group": group}))
     tensors, objects = {}, set()
@@ -76,7 +77,7 @@ def test_a_wrong_qkv_interleave_gives_a_large_logits_diff(layout, tiny_mixtral):
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
     from megatron_lora.convert.logits import forward_logits
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
 
     def plain_concat(self, reader, index):  # [q; k; v] instead of per-group interleave
         return torch.cat([reader.read(n) for n in self.names])[index]
@@ -86,7 +87,7 @@ def test_a_wrong_qkv_interleave_gives_a_large_logits_diff(layout, tiny_mixtral):
     correct_read = mapping.QKV.read
     mapping.QKV.read = plain_concat
     try:
-        model = build_mixtral_model(info, mixtral_config(info, layout))
+        model = build_model(info, model_config(info, layout))
         load_hf(model, info, hf)
     finally:
         mapping.QKV.read = correct_read

@@ -48,11 +48,11 @@ def test_export_of_a_checkpoint_megatron_saved_at_tp2_ep2(layout, tiny_mixtral, 
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
     from megatron_lora.convert.mcore_to_hf import mcore_to_hf
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.testing.reference import save_weights
 
     info, hf, _ = open_hf(tiny_mixtral["hf"])
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     load_hf(model, info, hf)
     saved = str(tmp_path / "megatron_saved")
     save_weights(model, saved)  # megatron's own torch_dist save, TP/EP-sharded chunks

@@ -60,7 +60,7 @@ def test_the_docs_show_commands():
 @pytest.mark.parametrize("where,world,argv", COMMANDS, ids=[c[0] for c in COMMANDS])
 def test_docs_command_parses_and_its_layout_fits(where, world, argv, tmp_path, capsys):
     from megatron_lora.cli import build_parser
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
 
     try:
         args = build_parser().parse_args(argv)

@@ -34,13 +34,13 @@ def _train(hf, save, out, tokens, layout=TRAIN_LAYOUT):
     from megatron_lora.convert.load import load_hf
     from megatron_lora.convert.logits import forward_logits
     from megatron_lora.lora.model import apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.testing.parity import assert_held_by
     from megatron_lora.training.loop import RunConfig, train
     from megatron_lora.training.optimizer import OptimConfig
 
     info, ckpt, _ = open_hf(hf)
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     load_hf(model, info, ckpt)
     apply_lora(model, S.LORA, verbose=False)
     run = RunConfig(micro_batch_size=1, global_batch_size=4, seq_length=16, train_iters=3,

@@ -80,7 +80,7 @@ def test_base_checkpoint_given_as_adapter_names_common_pt_once(tiny):
     """A torch_dist checkpoint without run metadata (a converted base model) is not an adapter:
     the message names its common.pt once and says why."""
     from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
 
     with pytest.raises(ConversionError) as info:
         AdapterCheckpoint(tiny["mcore"], read_hf_config(tiny["hf"]))

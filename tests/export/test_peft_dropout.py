@@ -24,12 +24,12 @@ def _train_with_dropout(hf, save, out, tokens, layout=ParallelLayout()):
     from megatron_lora.convert.load import load_hf
     from megatron_lora.convert.logits import forward_logits
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.training.loop import RunConfig, train
     from megatron_lora.training.optimizer import OptimConfig
 
     info, ckpt, _ = open_hf(hf)
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     load_hf(model, info, ckpt)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=DROPOUT, target_modules=TARGETS, seed=3)
     apply_lora(model, lora, verbose=False)
@@ -66,8 +66,11 @@ def test_export_of_a_dropout_run_loads_in_peft(tiny, tmp_path, capsys):
 
 def test_dropout_is_kept_where_peft_accepts_it():
     from megatron_lora.export.peft_config import inference_dropout
+    from megatron_lora.families.mixtral import MIXTRAL
 
-    assert inference_dropout(0.05, ["q_proj", "k_proj", "v_proj", "o_proj"]) == (0.05, [])
-    assert inference_dropout(0.0, ["w1", "w3", "w2"]) == (0.0, [])
-    value, notes = inference_dropout(0.05, ["q_proj", "w2"])
+    wrapped = MIXTRAL.names.parameter_modules()
+    assert wrapped == ("gate", "w1", "w3", "w2")
+    assert inference_dropout(0.05, ["q_proj", "k_proj", "v_proj", "o_proj"], wrapped) == (0.05, [])
+    assert inference_dropout(0.0, ["w1", "w3", "w2"], wrapped) == (0.0, [])
+    value, notes = inference_dropout(0.05, ["q_proj", "w2"], wrapped)
     assert value == 0.0 and len(notes) == 1 and "w2" in notes[0] and "q_proj" not in notes[0]

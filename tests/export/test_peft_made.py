@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 from megatron_lora.export.from_peft import import_peft
 from megatron_lora.export.table import module_of, sites
-from megatron_lora.models.mixtral import read_hf_config
+from megatron_lora.families import read_hf_config
 from tests.convert.tiny import TINY_CONFIG
 from tests.export import _support as S
 

@@ -188,7 +188,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_import_of_the_export_is_bit_identical(runs, mode, tmp_path):
     from megatron_lora.export.adapter_ckpt import PREFIX_KV, AdapterCheckpoint
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
     from megatron_lora.training.checkpoint import resolve
 
     back = str(tmp_path / "back")
@@ -216,7 +216,7 @@ def test_peft_s_own_saves_import_and_give_peft_s_logits(runs, tmp_path):
 
     from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
     from megatron_lora.export.from_peft import import_peft
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
 
     info = read_hf_config(runs["hf"])
     for projection in (False, True):
@@ -308,7 +308,7 @@ def test_malformed_peft_prefix_files_refused(runs, tmp_path):
 
 def test_checkpoints_that_do_not_fit_are_refused(runs, tmp_path):
     from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
     from megatron_lora.training.checkpoint import resolve
 
     # another model: the stored [4, 3, 2, 2, 16] does not fit 2 layers

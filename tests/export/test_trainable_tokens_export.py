@@ -50,7 +50,7 @@ def _our_logits(hf, run, tokens, out, layout=ParallelLayout(tp=2, sp=True)):
     from megatron_lora.export.adapter_ckpt import lora_config_from_dict
     from megatron_lora.lora.model import apply_lora
     from megatron_lora.lora.trainable_tokens import info_for_tokens
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.testing.parity import assert_held_by
     from megatron_lora.training.checkpoint import load_adapter_weights, read_run_metadata
 
@@ -58,7 +58,7 @@ def _our_logits(hf, run, tokens, out, layout=ParallelLayout(tp=2, sp=True)):
     lora = lora_config_from_dict(read_run_metadata(run)["run_metadata"]["lora"])
     info = info_for_tokens(info, lora.trainable_token_indices)  # 384 rows for id 256
     assert info.shape.vocab_size == 384
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     load_hf(model, info, ckpt)
     apply_lora(model, lora, verbose=False)
     load_adapter_weights([model], run)

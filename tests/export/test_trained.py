@@ -109,7 +109,7 @@ def _reshard(hf, run, save, layout=ParallelLayout(ep=2)):
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.export.adapter_ckpt import lora_config_from_dict
     from megatron_lora.lora.model import apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.training.checkpoint import (
         load_adapter_weights,
         read_run_metadata,
@@ -117,7 +117,7 @@ def _reshard(hf, run, save, layout=ParallelLayout(ep=2)):
     )
 
     info, _, _ = open_hf(hf)
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     common = read_run_metadata(run)
     apply_lora(model, lora_config_from_dict(common["run_metadata"]["lora"]), verbose=False)
     load_adapter_weights([model], run)

@@ -13,9 +13,9 @@ from tests.harness import multirank
 def test_cache_greedy_eos_and_seeded_sampling(layout=ParallelLayout()):
     from megatron_lora.inference import SamplingConfig, generate
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 
-    shape = tiny_mixtral_shape()
+    shape = tiny_moe_shape()
     model = build_gpt_model(shape, transformer_config(shape, layout), attention_backend="flash")
     apply_lora(model, LoraConfig(r=4, lora_alpha=8.0, init_lora_weights=False, seed=5,
                                  target_modules=["linear_qkv", "linear_fc1", "router"]),

@@ -45,9 +45,9 @@ def seed_for(name: str) -> int:
 
 
 def layer_config(layout, dispatcher: str):
-    from megatron_lora.models.gpt import tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import tiny_moe_shape, transformer_config
 
-    shape = tiny_mixtral_shape(hidden_size=H, ffn_hidden_size=FFN, num_experts=E,
+    shape = tiny_moe_shape(hidden_size=H, ffn_hidden_size=FFN, num_experts=E,
                                moe_router_topk=TOPK, num_layers=1)
     # calculate_per_token_loss=False: the aux-loss gradient then does not depend on how many
     # tokens a rank holds, so one reference serves every layout.

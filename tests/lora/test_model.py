@@ -14,11 +14,11 @@ from megatron_lora.lora.model import (
     unmerge_adapters,
 )
 from megatron_lora.lora.targets import UnknownTargetError, normalize_targets
-from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 from megatron_lora.runtime import ParallelLayout
 from tests.harness import multirank
 
-DENSE = tiny_mixtral_shape(num_experts=None)
+DENSE = tiny_moe_shape(num_experts=None)
 
 
 def test_targets_accept_megatron_hf_and_all_linear_names():
@@ -126,7 +126,7 @@ def test_merge_and_unmerge_the_whole_model(layout=ParallelLayout(tp=2, sp=True))
 
 @multirank(world_size=2)
 def test_merge_and_unmerge_router_embedding_and_output_adapters(layout=ParallelLayout(tp=2, sp=True)):
-    shape = tiny_mixtral_shape()
+    shape = tiny_moe_shape()
     model = build_gpt_model(shape, transformer_config(shape, layout))
     apply_lora(model, LoraConfig(r=4, init_lora_weights=False,
                                  target_modules=["router", "embedding", "output_layer"]),
@@ -154,7 +154,7 @@ def test_apply_lora_wires_expert_dropout_through_the_dispatcher(dispatcher,
     training step every expert adapter on every rank masks by global token indices that came
     through the dispatcher (each position of the replica's [s, b] reaching its top-k experts);
     in eval nothing is routed."""
-    shape = tiny_mixtral_shape()
+    shape = tiny_moe_shape()
     model = build_gpt_model(shape, transformer_config(shape, layout, dispatcher=dispatcher))
     adapters = apply_lora(model, LoraConfig(r=4, lora_dropout=0.25, init_lora_weights=False,
                                             target_modules=["linear_fc1", "linear_fc2"]),

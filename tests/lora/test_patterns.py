@@ -5,11 +5,11 @@ import pytest
 import torch.distributed as dist
 
 from megatron_lora.lora.model import LoraConfig, apply_lora, config_problems
-from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 from megatron_lora.runtime import ParallelLayout
 from tests.harness import multirank
 
-DENSE = tiny_mixtral_shape(num_experts=None)
+DENSE = tiny_moe_shape(num_experts=None)
 
 
 @multirank(world_size=2)

@@ -197,13 +197,13 @@ def _run_layout(layout, projection, ref_dir, micro_batch_size=1, skip_shared_red
     from megatron_lora.convert.load import load_hf
     from megatron_lora.convert.logits import forward_logits
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.training import step
     from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
 
     ref = load_file(os.path.join(ref_dir, f"ref_{int(projection)}.st"))
     info, hf, _ = open_hf(os.path.join(ref_dir, "hf"))
-    model = build_mixtral_model(info, mixtral_config(info, layout))
+    model = build_model(info, model_config(info, layout))
     load_hf(model, info, hf)
     apply_lora(model, LoraConfig(num_virtual_tokens=N_VIRTUAL, target_modules=(),
                                  prefix_projection=projection,

@@ -158,9 +158,9 @@ def test_in_a_tied_gpt_the_tokens_equal_the_rows_written_into_the_base(
     output layer uses the embedding's), logits equal those of the plain model with the rows
     written into its (shared) weight; base weights untouched."""
     from megatron_lora.lora.model import LoraConfig, apply_lora, get_adapter_params
-    from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 
-    shape = tiny_mixtral_shape(num_layers=2, num_experts=None, tie_embeddings=True)
+    shape = tiny_moe_shape(num_layers=2, num_experts=None, tie_embeddings=True)
     model = build_gpt_model(shape, transformer_config(shape, layout))
     weight = model.embedding.word_embeddings.weight
     before = weight.detach().clone()
@@ -194,9 +194,9 @@ def test_in_a_tied_gpt_the_tokens_equal_the_rows_written_into_the_base(
 def test_tied_embeddings_over_two_stages_are_refused_on_every_rank(
         layout=ParallelLayout(pp=2)):
     from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+    from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 
-    shape = tiny_mixtral_shape(num_layers=2, num_experts=None, tie_embeddings=True)
+    shape = tiny_moe_shape(num_layers=2, num_experts=None, tie_embeddings=True)
     model = build_gpt_model(shape, transformer_config(shape, layout))
     with pytest.raises(ValueError, match="--add-special-tokens.*one pipeline stage"):
         apply_lora(model, LoraConfig(r=2, target_modules=["linear_qkv"],
@@ -208,10 +208,10 @@ def test_tied_embeddings_over_two_stages_are_refused_on_every_rank(
 
 def test_the_vocabulary_grows_for_ids_past_the_padded_rows_only_from_hf():
     from megatron_lora.lora.trainable_tokens import info_for_tokens
-    from megatron_lora.models.mixtral import MixtralInfo
+    from megatron_lora.families import model_info
     from tests.convert.tiny import TINY_CONFIG
 
-    info = MixtralInfo.from_hf_config(dict(TINY_CONFIG, architectures=["MixtralForCausalLM"],
+    info = model_info(dict(TINY_CONFIG, architectures=["MixtralForCausalLM"],
                                            model_type="mixtral"))  # vocab 250, padded to 256
     assert info_for_tokens(info, [250, 255]) is info  # padded rows: no growth
     grown = info_for_tokens(info, [250, 256])

@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lora.data.packing import inputs_labels_mask
 from megatron_lora.models.attention import SDPAttention
-from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 from megatron_lora.models.specs import core_attention_class
 from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing import parity
@@ -76,7 +76,7 @@ def _stage_output(model, shape, tokens, attention_mask):
 @pytest.mark.parametrize("layout,world_size", LAYOUTS)
 @multirank(world_size=lambda world_size, **_: world_size, timeout=240)
 def test_sdpa_matches_dot_product_attention(layout, world_size, packed, tiny_reference):
-    shape = tiny_mixtral_shape()
+    shape = tiny_moe_shape()
     models = _models(tiny_reference, shape, layout)
     kinds = {type(layer.self_attention.core_attention)
              for layer in models["flash"].decoder.layers}
@@ -110,7 +110,7 @@ def test_sdpa_matches_dot_product_attention(layout, world_size, packed, tiny_ref
 def test_packed_samples_do_not_see_each_other(tiny_reference, layout=ParallelLayout()):
     """Changing sample A's tokens leaves sample B's logits unchanged under the packed mask;
     without the mask (causal only) the same change reaches sample B: the check can see a leak."""
-    shape = tiny_mixtral_shape()
+    shape = tiny_moe_shape()
     model = _models(tiny_reference, shape, layout)["flash"]
     tokens, _, _, mask = _batch(shape, packed=True)
     tokens, mask = tokens[:1], mask[:1]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing import parity
 from megatron_lora.testing.reference import load_weights
@@ -29,7 +29,7 @@ CASES = [
 @multirank(world_size=lambda world_size, **_: world_size, timeout=240)
 def test_loss_and_embedding_grad_match_single_rank(layout, dispatcher, world_size, tiny_reference):
     reference = parity.load_reference(tiny_reference)
-    loss, grad = parity.run_layout(tiny_reference, tiny_mixtral_shape(), layout, dispatcher=dispatcher)
+    loss, grad = parity.run_layout(tiny_reference, tiny_moe_shape(), layout, dispatcher=dispatcher)
     torch.testing.assert_close(loss.reshape(1), reference["loss"], rtol=1e-5, atol=0)
     # Held on every rank of the first pipeline stage, and checked there.
     if parity.assert_held_by(grad, world_size // layout.pp, "the embedding gradient"):
@@ -39,7 +39,7 @@ def test_loss_and_embedding_grad_match_single_rank(layout, dispatcher, world_siz
 @multirank(world_size=2, timeout=240)
 def test_the_comparison_catches_a_wrong_shard(tiny_reference, layout=ParallelLayout(tp=2, sp=True)):
     """One TP rank's qkv shard off by 1e-3: the loss must no longer match within rtol 1e-5."""
-    shape = tiny_mixtral_shape()
+    shape = tiny_moe_shape()
     model = build_gpt_model(shape, transformer_config(shape, layout))
     load_weights(model, os.path.join(tiny_reference, "weights"))
     if parallel_state.get_tensor_model_parallel_rank() == 1:

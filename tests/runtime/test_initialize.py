@@ -7,11 +7,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_lora import runtime
-from megatron_lora.models.gpt import tiny_mixtral_shape
+from megatron_lora.models.gpt import tiny_moe_shape
 from megatron_lora.runtime import LayoutError, ParallelLayout
 from tests.harness import multirank
 
-SIZES = tiny_mixtral_shape().layout_sizes()
+SIZES = tiny_moe_shape().layout_sizes()
 
 
 @multirank(world_size=4)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from megatron_lora.models.gpt import tiny_mixtral_shape
+from megatron_lora.models.gpt import tiny_moe_shape
 from megatron_lora.runtime import LayoutError, ParallelLayout
 
-SIZES = tiny_mixtral_shape().layout_sizes()  # 4 layers, 4 heads, 2 query groups, 4 experts
+SIZES = tiny_moe_shape().layout_sizes()  # 4 layers, 4 heads, 2 query groups, 4 experts
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_valid_layouts_have_no_problems():
 
 
 def test_dense_model_refuses_expert_parallelism():
-    sizes = tiny_mixtral_shape(num_experts=None).layout_sizes()
+    sizes = tiny_moe_shape(num_experts=None).layout_sizes()
     assert "ep=2 needs a model with experts (this model has none)" in ParallelLayout(ep=2).problems(2, **sizes)
 
 

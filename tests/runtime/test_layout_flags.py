@@ -32,9 +32,9 @@ def test_layout_problems_name_fields_or_flags(layout, world, field_text, flag_te
 
 
 def test_mixtral_vocab_problem_names_the_flag():
-    from megatron_lora.models.mixtral import MixtralInfo  # noqa: F401 (import check)
-    from megatron_lora.models.gpt import tiny_mixtral_shape
+    from megatron_lora.families import ModelInfo  # noqa: F401 (import check)
+    from megatron_lora.models.gpt import tiny_moe_shape
 
     layout = ParallelLayout(tp=3, sp=True)
     assert "--tensor-model-parallel-size 3" in " ".join(
-        layout.problems(3, flags=True, **tiny_mixtral_shape().layout_sizes()))
+        layout.problems(3, flags=True, **tiny_moe_shape().layout_sizes()))

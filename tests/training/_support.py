@@ -3,12 +3,12 @@
 import torch
 
 from megatron_lora.data import PackedDataset, Sample, pack_samples
-from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 from megatron_lora.testing.reference import load_weights
 from megatron_lora.training.loop import RunConfig
 from megatron_lora.training.optimizer import OptimConfig
 
-SHAPE = tiny_mixtral_shape(vocab_size=384)
+SHAPE = tiny_moe_shape(vocab_size=384)
 SEQ = 32
 # Trainable: a TP-sharded linear, an expert linear (expert-DP reduction) and the norms (replicated;
 # summed over TP under SP by finalize_model_grads): every gradient path of the loop.

@@ -62,7 +62,7 @@ def _checkpoint_factors(path, hf):
     """{layer: (A, B)} of the linear_proj adapters of one of our adapter checkpoints."""
     from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
     from megatron_lora.export.table import KINDS, sites
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
 
     info = read_hf_config(hf)
     ckpt = AdapterCheckpoint(path, info)

@@ -245,7 +245,7 @@ def _train_hf(hf, root, layout=ParallelLayout()):
     for bit."""
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
-    from megatron_lora.models.mixtral import build_mixtral_model, mixtral_config
+    from megatron_lora.models.build import build_model, model_config
     from megatron_lora.training.loop import RunConfig, train
     from megatron_lora.training.optimizer import OptimConfig
     from tests.export import _support as E
@@ -260,7 +260,7 @@ def _train_hf(hf, root, layout=ParallelLayout()):
                             os.path.join(save, "iter_0000002"))
             with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("2")
-        model = build_mixtral_model(info, mixtral_config(info, layout))
+        model = build_model(info, model_config(info, layout))
         load_hf(model, info, ckpt)
         adapters = apply_lora(model, lora, verbose=False)
         run = RunConfig(micro_batch_size=1, global_batch_size=2, seq_length=16, train_iters=4,

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import random as mrandom
 
 from megatron_lora.lora.dropout import MICRO_BATCH_KEY
 from megatron_lora.lora.model import LoraConfig, apply_lora
-from megatron_lora.models.gpt import build_gpt_model, tiny_mixtral_shape, transformer_config
+from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 from megatron_lora.models.recompute import (
     recompute_overrides,
     recompute_problems,
@@ -33,7 +33,7 @@ from megatron_lora.runtime import ParallelLayout, cpu_compat
 from megatron_lora.training.step import forward_backward
 from tests.harness import multirank
 
-SHAPE = tiny_mixtral_shape()  # 4 layers, h 64, 4 experts top-2, GQA
+SHAPE = tiny_moe_shape()  # 4 layers, h 64, 4 experts top-2, GQA
 SEQ = 16
 MICRO_BATCHES = 2  # per data-parallel replica, micro-batch size 1
 RTOL = 1e-6

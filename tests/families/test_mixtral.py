@@ -1,13 +1,14 @@
 """config.json fields are type-checked strictly: a wrong type, null where transformers allows no
 None, a non-finite or non-positive number, unreadable bytes or JSON all give one
-MixtralConfigError naming the file (once), the field and what it got."""
+ModelConfigError naming the file (once), the field and what it got."""
 
 import json
 
 import pytest
 
 from megatron_lora.lora.model import LoraConfig
-from megatron_lora.models.mixtral import MixtralConfigError, MixtralInfo, read_hf_config
+from megatron_lora.lora.sizes import model_problems
+from megatron_lora.families import ModelConfigError, model_info, read_hf_config
 from tests.convert.tiny import TINY_CONFIG
 
 BASE = dict(TINY_CONFIG, architectures=["MixtralForCausalLM"], model_type="mixtral")
@@ -53,8 +54,8 @@ def _write(tmp_path, text, name="config.json"):
      "field 'architectures' must be a list of strings"),
 ])
 def test_wrong_field_types_are_named(change, message):
-    with pytest.raises(MixtralConfigError) as info:
-        MixtralInfo.from_hf_config(dict(BASE, **change), source="/m/config.json")
+    with pytest.raises(ModelConfigError) as info:
+        model_info(dict(BASE, **change), source="/m/config.json")
     text = str(info.value)
     assert text.startswith("/m/config.json: ") and text.count("/m/config.json") == 1, text
     assert message in text, text
@@ -63,9 +64,9 @@ def test_wrong_field_types_are_named(change, message):
 def test_missing_required_field_says_so():
     cfg = dict(BASE)
     del cfg["hidden_size"]
-    with pytest.raises(MixtralConfigError, match="field 'hidden_size' must be a positive integer, "
+    with pytest.raises(ModelConfigError, match="field 'hidden_size' must be a positive integer, "
                                                  r"got nothing \(the field is missing\)"):
-        MixtralInfo.from_hf_config(cfg)
+        model_info(cfg)
 
 
 @pytest.mark.parametrize("change", [
@@ -74,15 +75,15 @@ def test_missing_required_field_says_so():
     dict(architectures=None),
 ])
 def test_null_is_accepted_where_transformers_accepts_none(change):
-    info = MixtralInfo.from_hf_config(dict(BASE, **change))
-    assert info.shape == MixtralInfo.from_hf_config(BASE).shape
+    info = model_info(dict(BASE, **change))
+    assert info.shape == model_info(BASE).shape
 
 
 def test_valid_types_keep_their_meaning():
-    tied = MixtralInfo.from_hf_config(dict(BASE, tie_word_embeddings=True))
-    untied = MixtralInfo.from_hf_config(dict(BASE, tie_word_embeddings=False))
+    tied = model_info(dict(BASE, tie_word_embeddings=True))
+    untied = model_info(dict(BASE, tie_word_embeddings=False))
     assert tied.shape.tie_embeddings is True and untied.shape.tie_embeddings is False
-    info = MixtralInfo.from_hf_config(dict(BASE, rms_norm_eps=1e-6, num_key_value_heads=None,
+    info = model_info(dict(BASE, rms_norm_eps=1e-6, num_key_value_heads=None,
                                            rope_parameters={"rope_type": "default",
                                                             "rope_theta": 5e5}))
     assert info.shape.norm_epsilon == 1e-6 and info.shape.num_query_groups == 4
@@ -92,7 +93,7 @@ def test_valid_types_keep_their_meaning():
 def test_non_utf8_config_names_file_and_byte(tmp_path):
     text = json.dumps(BASE, indent=1).replace('"mixtral"', '"mixtr\xe9l"').encode("latin-1")
     path = _write(tmp_path, text)
-    with pytest.raises(MixtralConfigError) as info:
+    with pytest.raises(ModelConfigError) as info:
         read_hf_config(path)
     msg = str(info.value)
     assert msg.startswith(f"{path}: not UTF-8 (byte 0xe9 at line ") and "column" in msg, msg
@@ -101,7 +102,7 @@ def test_non_utf8_config_names_file_and_byte(tmp_path):
 
 def test_deeply_nested_config_is_an_error_not_a_recursion_traceback(tmp_path):
     path = _write(tmp_path, '{"a": ' + "[" * 100000 + "]" * 100000 + "}")
-    with pytest.raises(MixtralConfigError, match="JSON nested too deeply"):
+    with pytest.raises(ModelConfigError, match="JSON nested too deeply"):
         read_hf_config(path)
 
 
@@ -113,7 +114,7 @@ def test_deeply_nested_config_is_an_error_not_a_recursion_traceback(tmp_path):
 ])
 def test_invalid_json_names_file_once(tmp_path, text, message):
     path = _write(tmp_path, text)
-    with pytest.raises(MixtralConfigError) as info:
+    with pytest.raises(ModelConfigError) as info:
         read_hf_config(path)
     assert str(info.value) == f"{path}: {message}"
 
@@ -122,10 +123,10 @@ def test_unreadable_config_gives_the_reason_without_repeating_the_path(tmp_path)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").mkdir()  # a directory where the file should be
     path = str(tmp_path / "model" / "config.json")
-    with pytest.raises(MixtralConfigError) as info:
+    with pytest.raises(ModelConfigError) as info:
         read_hf_config(str(tmp_path / "model"))
     assert str(info.value) == f"{path}: cannot read: Is a directory"
-    with pytest.raises(MixtralConfigError) as info:
+    with pytest.raises(ModelConfigError) as info:
         read_hf_config(str(tmp_path / "nothing.json"))
     assert str(info.value) == f"{tmp_path / 'nothing.json'}: file not found"
 
@@ -133,18 +134,18 @@ def test_unreadable_config_gives_the_reason_without_repeating_the_path(tmp_path)
 def test_lora_rank_larger_than_the_router_names_the_flag_and_sizes():
     """4 experts: the router's weight is [4, 64], so rank 8 cannot fit; found from the sizes,
     before any model exists."""
-    info = MixtralInfo.from_hf_config(BASE)
+    info = model_info(BASE)
     lora = LoraConfig(r=8, target_modules=["linear_qkv", "router"])
-    problems = info.lora_problems(lora, rank_name="--lora-rank",
-                                  pattern_name="--lora-rank-pattern",
-                                  targets_name="--lora-target-modules")
+    problems = model_problems(lora, info, rank_name="--lora-rank",
+                              pattern_name="--lora-rank-pattern",
+                              targets_name="--lora-target-modules")
     assert problems == [
         "LoRA rank 8 (--lora-rank) exceeds min(in_features, out_features) = 4 of router "
         "(in_features 64 = hidden size, out_features 4 = number of experts); use a rank <= 4 "
         "(for router alone: --lora-rank-pattern router=R) or drop router from "
         "--lora-target-modules"]
     # A smaller rank for the router alone is fine; only the ranks each kind really gets count.
-    assert info.lora_problems(LoraConfig(r=8, target_modules=["linear_qkv", "router"],
-                                         rank_pattern={"router": 4})) == []
-    assert "LoRA rank 5 (LoraConfig.r or rank_pattern)" in info.lora_problems(LoraConfig(
-        r=2, target_modules=["router"], rank_pattern={"router": 5}))[0]
+    assert model_problems(LoraConfig(r=8, target_modules=["linear_qkv", "router"],
+                                     rank_pattern={"router": 4}), info) == []
+    assert "LoRA rank 5 (LoraConfig.r or rank_pattern)" in model_problems(LoraConfig(
+        r=2, target_modules=["router"], rank_pattern={"router": 5}), info)[0]

@@ -1,0 +1,63 @@
+"""Model families as data, and the one entry point that reads a Hugging Face config.json.
+
+`read_hf_config(path)` detects the family from config.json (`architectures`, then `model_type`)
+and returns its `ModelInfo`; a config of no supported family is refused before any work, listing
+the supported ones. Adding a family: one module here defining a `Family`, listed in FAMILIES.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Tuple
+
+from megatron_lora.families.family import Family, HFNames, ModelInfo
+from megatron_lora.families.fields import Fields, ModelConfigError
+from megatron_lora.families.mixtral import MIXTRAL
+from megatron_lora.families.shape import (VOCAB_MULTIPLE, ModelShape, padded_vocab_size,
+                                          tiny_moe_shape)
+from megatron_lora.jsonfile import json_value, read_json
+
+FAMILIES: Tuple[Family, ...] = (MIXTRAL,)
+
+__all__ = ["FAMILIES", "Family", "HFNames", "ModelInfo", "ModelConfigError", "ModelShape",
+           "VOCAB_MULTIPLE", "family_of", "model_info", "padded_vocab_size", "read_hf_config",
+           "tiny_moe_shape"]
+
+
+def supported() -> str:
+    return ", ".join(f"{fam.name} ({'/'.join(fam.architectures)})" for fam in FAMILIES)
+
+
+def family_of(cfg: dict, source: str = "config.json") -> Family:
+    """The family `cfg` belongs to: by `architectures`, else by `model_type`."""
+    f = Fields(cfg, source)
+    archs = f.get("architectures", list, default=[], nullable=True) or []
+    if not all(isinstance(a, str) for a in archs):
+        raise f.bad("architectures", "must be a list of strings", archs)
+    model_type = f.get("model_type", str, default=None, nullable=True)
+    for fam in FAMILIES:
+        if set(archs) & set(fam.architectures):
+            return fam
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    raise ModelConfigError(f"{source}: architectures={archs} (model_type={model_type!r}) is not "
+                           f"a supported model family; supported: {supported()}")
+
+
+def model_info(cfg: dict, source: str = "config.json") -> ModelInfo:
+    """Validate a config.json dict and describe its model; ModelConfigError names the field."""
+    family = family_of(cfg, source)
+    shape, vocab, dtype = family.read(Fields(cfg, source), cfg)
+    return ModelInfo(family=family, shape=shape, vocab_size=vocab, dtype=dtype,
+                     hf_config=dict(cfg))
+
+
+def read_hf_config(path: str) -> ModelInfo:
+    """ModelInfo from a config.json file (or a directory holding one)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    cfg = read_json(path, ModelConfigError)
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {json_value(cfg)}")
+    return model_info(cfg, source=path)

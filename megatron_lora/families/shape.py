@@ -1,0 +1,93 @@
+"""The sizes that define a decoder-only MoE model, in megatron-core's names (pure data).
+
+`ModelShape` is what every layer of megatron_lora reads about a model's sizes: the builder turns it
+into a TransformerConfig (models/gpt.py), conversion into tensor shapes, the LoRA checks into adapter
+shapes. The vocabulary is padded to a multiple of `VOCAB_MULTIPLE` (128) rows, the same for every
+layout, so one checkpoint loads at any TP that divides the padded vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Smallest multiple of `multiple` that is >= vocab_size (layout independent)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder (names as in megatron-core).
+
+    kv_channels: the attention head dimension; None means hidden_size / num_attention_heads
+    (then hidden_size must be a multiple of the head count).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    max_position_embeddings: int = 4096
+    rotary_base: float = 1e6
+    norm_epsilon: float = 1e-5
+    tie_embeddings: bool = False
+    kv_channels: Optional[int] = None
+
+    def __post_init__(self):
+        positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                    "num_attention_heads", "num_query_groups", "max_position_embeddings")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"ModelShape.kv_channels must be >= 1, got {self.kv_channels}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"ModelShape.hidden_size={self.hidden_size} is not a multiple of "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"ModelShape.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(
+                f"ModelShape.moe_router_topk={self.moe_router_topk} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (megatron's kv_channels)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def layout_sizes(self) -> dict:
+        """The sizes ParallelLayout.validate checks against."""
+        return dict(
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            num_experts=self.num_experts or 0,
+            ffn_hidden_size=None if self.num_experts else self.ffn_hidden_size,
+            moe_ffn_hidden_size=self.ffn_hidden_size if self.num_experts else None,
+        )
+
+
+def tiny_moe_shape(**overrides) -> ModelShape:
+    """An MoE model small enough for multi-rank CPU tests (GQA, 4 experts, top-2)."""
+    base = dict(
+        vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers=4,
+        num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
+        max_position_embeddings=128, rotary_base=1e6, norm_epsilon=1e-5,
+    )
+    base.update(overrides)
+    return ModelShape(**base)

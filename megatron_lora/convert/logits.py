@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_lora.training.step import data_parallel_slice
+from megatron_lora.runtime.distributed import data_parallel_slice
 
 
 def is_writer_rank() -> bool:

@@ -40,23 +40,10 @@ import torch
 from megatron_lora.lora.adapter import LoraAdapter
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.parallel import UnsupportedBaseLayerError, describe_base_layer
+from megatron_lora.lora.placement import expert_placement, global_expert_index
 
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 ConfigFor = Union[AdapterConfig, Callable[[str], AdapterConfig]]
-
-
-def expert_placement(experts: torch.nn.Module) -> tuple:
-    """(ep_rank, ep_size, num_local_experts) of a megatron experts module (local reads only)."""
-    ep_group = getattr(experts, "ep_group", None)
-    ep_rank = ep_group.rank() if ep_group is not None else 0
-    ep_size = ep_group.size() if ep_group is not None else 1
-    return ep_rank, ep_size, int(experts.num_local_experts)
-
-
-def global_expert_index(experts: torch.nn.Module, local_index: int) -> int:
-    """Global index of local expert `local_index` (megatron places experts contiguously)."""
-    ep_rank, _, num_local = expert_placement(experts)
-    return ep_rank * num_local + local_index
 
 
 def _config_for(config: ConfigFor, name: str) -> AdapterConfig:

@@ -249,12 +249,28 @@ class PrefixAttention(MegatronModule):
         return f"{self.global_name}, projection={bool(self._encoder)}"
 
 
-def prefix_problems(model, config) -> List[str]:
-    """Prefix-tuning problems of a GPT model that every rank finds alike, before any change."""
+_CORE_ATTENTIONS: List[type] = []
+
+
+def register_prefix_core_attention(cls: type) -> type:
+    """Declare that core attention class `cls` takes the prefix's keys and values as megatron's
+    DotProductAttention does (query [s, b, n, d], key/value [s', b, g, d], an attention mask
+    over [s, s']); the class that holds them registers itself (models/attention.py)."""
+    if cls not in _CORE_ATTENTIONS:
+        _CORE_ATTENTIONS.append(cls)
+    return cls
+
+
+def prefix_core_attentions() -> tuple:
+    """The core attention classes prefix tuning wraps: megatron's DotProductAttention and the
+    registered ones."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_lora.models.attention import SDPAttention
+    return (DotProductAttention, *_CORE_ATTENTIONS)
 
+
+def prefix_problems(model, config) -> List[str]:
+    """Prefix-tuning problems of a GPT model that every rank finds alike, before any change."""
     tconf = model.config
     problems = []
     if tconf.context_parallel_size != 1:
@@ -264,7 +280,7 @@ def prefix_problems(model, config) -> List[str]:
                         f"{model.position_embedding_type!r}")
     for layer in getattr(getattr(model, "decoder", None), "layers", []):
         core = layer.self_attention.core_attention
-        if not isinstance(core, (DotProductAttention, SDPAttention)):
+        if not isinstance(core, prefix_core_attentions()):
             problems.append(f"prefix tuning needs megatron's DotProductAttention or SDPAttention "
                             f"as core attention (--attention-backend unfused or flash), the model "
                             f"has {type(core).__name__}")
@@ -300,8 +316,8 @@ def apply_prefix(model, config) -> Dict[str, torch.nn.Module]:
     if getattr(tconf, "recompute_granularity", None) is not None:
         # megatron's checkpoint is re-entrant: the prefix inside a recomputed core attention
         # gets a gradient only if the region's inputs require grad, which with a frozen base
-        # they do not unless the decoder input does (models/recompute.py).
-        from megatron_lora.models.recompute import require_decoder_input_grad
+        # they do not unless the decoder input does (lora/input_grad.py).
+        from megatron_lora.lora.input_grad import require_decoder_input_grad
 
         require_decoder_input_grad(model)
 

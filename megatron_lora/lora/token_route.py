@@ -121,7 +121,7 @@ def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> Toke
     these instances (see the module docstring); `adapters[local]` are local expert `local`'s
     LoraAdapters as (adapter, stream_offset) pairs; needs_route() -> bool decides per forward
     (the same on every rank: it depends on the configs of all global experts and train mode)."""
-    from megatron_lora.lora.experts import expert_placement
+    from megatron_lora.lora.placement import expert_placement
 
     ep_rank, _, num_local = expert_placement(experts_module)
     route = TokenRoute(num_local, ep_rank * num_local)

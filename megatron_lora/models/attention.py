@@ -45,6 +45,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lora.lora.prefix import register_prefix_core_attention
+
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[b, 1, s, s] float mask (0 where attending, -inf where megatron's boolean mask is True),
@@ -85,6 +87,7 @@ def _refuse(config: TransformerConfig, attention_dropout: Optional[float]) -> No
         )
 
 
+@register_prefix_core_attention
 class SDPAttention(MegatronModule):
     """core_attention computing softmax(q k^T * scale + mask) v with torch's fused SDPA.
 

@@ -97,7 +97,8 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=Non
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base),
     )
-    from megatron_lora.models.recompute import recomputes_parameters, require_decoder_input_grad
+    from megatron_lora.lora.input_grad import require_decoder_input_grad
+    from megatron_lora.models.recompute import recomputes_parameters
 
     if recomputes_parameters(config):  # frozen embeddings: see models/recompute.py
         require_decoder_input_grad(model)

@@ -24,7 +24,7 @@ first stage's decoder input does not require grad, the checkpoint's output then 
 nor anything computed from it, and the adapters in recomputed regions would get no gradient at
 all, without an error (full recomputation from the first layer: none; LoRA on the experts alone
 with selective "moe": no MoE layer's input requires grad, no expert adapter gets one).
-`require_decoder_input_grad(model)` marks that input as requiring grad (one extra input gradient
+`require_decoder_input_grad(model)` (lora/input_grad.py) marks that input as requiring grad (one extra input gradient
 [s, b, h] at the first layer); `build_gpt_model` installs it whenever the config recomputes
 more than core attention (whose region holds no parameters, except with prefix tuning, whose
 apply_prefix installs it whenever the config recomputes anything: lora/prefix.py). Later pipeline stages receive
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-import torch
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
@@ -130,23 +129,3 @@ def recomputes_parameters(config) -> bool:
     return False
 
 
-def _input_requires_grad(module, inputs, output):
-    if torch.is_grad_enabled() and module.training and isinstance(output, torch.Tensor) \
-            and not output.requires_grad:
-        return output.requires_grad_(True)
-    return output
-
-
-def require_decoder_input_grad(model) -> bool:
-    """On the first pipeline stage (a model with `.embedding`), make the embedding's output, the
-    decoder input [s, b, h] (this rank's [s/tp, b, h] under SP), require grad in training
-    forwards, so that re-entrant recomputation passes gradients to the parameters it recomputes
-    (see the module docstring). Idempotent; False where the model has no embedding (later
-    stages, whose input already requires grad)."""
-    embedding = getattr(model, "embedding", None)
-    if embedding is None:
-        return False
-    if not getattr(embedding, "_mlora_input_requires_grad", False):
-        embedding.register_forward_hook(_input_requires_grad)
-        embedding._mlora_input_requires_grad = True
-    return True

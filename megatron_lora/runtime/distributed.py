@@ -23,6 +23,18 @@ _CURRENT: Optional[ParallelLayout] = None
 _GROUPS_BEFORE: Optional[set] = None
 
 
+def data_parallel_slice(batch: torch.Tensor) -> torch.Tensor:
+    """This DP rank's contiguous share of a global batch [B, ...] (B divisible by DP)."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    if batch.shape[0] % dp:
+        raise ValueError(f"global batch {batch.shape[0]} is not divisible by data parallel size {dp}")
+    per = batch.shape[0] // dp
+    return batch[rank * per : (rank + 1) * per]
+
+
 def default_backend() -> str:
     return "nccl" if cpu_compat.cuda_usable() else "gloo"
 

@@ -17,17 +17,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_lora.lora.dropout import clear_micro_batch_key, set_micro_batch_key
+from megatron_lora.runtime.distributed import data_parallel_slice
 from megatron_lora.runtime.rng import run_seed
-
-
-def data_parallel_slice(batch: torch.Tensor) -> torch.Tensor:
-    """This DP rank's contiguous share of a global batch [B, ...] (B divisible by DP)."""
-    dp = parallel_state.get_data_parallel_world_size()
-    rank = parallel_state.get_data_parallel_rank()
-    if batch.shape[0] % dp:
-        raise ValueError(f"global batch {batch.shape[0]} is not divisible by data parallel size {dp}")
-    per = batch.shape[0] // dp
-    return batch[rank * per : (rank + 1) * per]
 
 
 def _loss_func(loss_mask: torch.Tensor, global_tokens: float, output_tensor: torch.Tensor):

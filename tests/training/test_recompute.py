@@ -180,7 +180,7 @@ def _same_gradients_with_recomputation(layout, lora, recomputations, control):
     """One-rank run of `lora` without recomputation, then with each of `recomputations`: same
     loss and gradients, every adapter parameter's non-zero. Returns the gradients of a run with
     `control` recomputation when require_decoder_input_grad does nothing."""
-    from megatron_lora.models import recompute
+    from megatron_lora.lora import input_grad
 
     rng_states = mrandom._get_all_rng_states()
     base = build_gpt_model(SHAPE, transformer_config(SHAPE, layout))
@@ -196,12 +196,12 @@ def _same_gradients_with_recomputation(layout, lora, recomputations, control):
         for n, g in ref.items():
             torch.testing.assert_close(grads[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
                                        msg=f"{overrides}: gradient of {n}")
-    real = recompute.require_decoder_input_grad
-    recompute.require_decoder_input_grad = lambda model: False
+    real = input_grad.require_decoder_input_grad
+    input_grad.require_decoder_input_grad = lambda model: False
     try:
         _, grads, _, count = _run(layout, "allgather", lora, weights, rng_states, control)
     finally:
-        recompute.require_decoder_input_grad = real
+        input_grad.require_decoder_input_grad = real
     return grads, count, adapters
 
 

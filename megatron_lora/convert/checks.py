@@ -51,6 +51,8 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         _ATTN + "linear_proj.weight": (layers, hid, (n * d, f"num_attention_heads={n}, "
                                                            f"head_dim={d}")),
         _MLP + "linear_fc1.layer_norm_weight": (layers, hid),
+        **({_ATTN + "q_layernorm.weight": (layers, (d, f"head_dim={d}")),
+            _ATTN + "k_layernorm.weight": (layers, (d, f"head_dim={d}"))} if s.qk_layernorm else {}),
         _MLP + "router.weight": (layers, experts, hid),
         _MLP + "experts.experts.linear_fc1.weight": (layers, experts, (2 * f, ffn[1]), hid),
         _MLP + "experts.experts.linear_fc2.weight": (layers, experts, hid, ffn),
@@ -112,8 +114,8 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
     h, f, E = s.hidden_size, s.ffn_hidden_size, s.num_experts or 0
     n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
     tp, etp = layout.tp, layout.expert_tp
-    per_layer = (2 * h + _ceil((n + 2 * g) * d * h + h * n * d, tp) + E * h
-                 + _ceil(E, layout.ep) * _ceil(3 * f * h, etp))
+    per_layer = (2 * h + 2 * d * s.qk_layernorm + _ceil((n + 2 * g) * d * h + h * n * d, tp)
+                 + E * h + _ceil(E, layout.ep) * _ceil(3 * f * h, etp))
     layers = _ceil(s.num_layers, layout.pp) * per_layer
     vocab = _ceil(s.vocab_size, tp) * h
     # Tied embeddings on more than one stage: the last stage holds its own copy of the output.

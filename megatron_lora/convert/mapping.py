@@ -178,6 +178,9 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
         p = names.layer.format(l=l)
         layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + names.input_norm, (h,)))
         layer(attn + "linear_qkv.weight", l, QKV(p + names.q, p + names.k, p + names.v, n, g, d, h))
+        if s.qk_layernorm:
+            layer(attn + "q_layernorm.weight", l, Direct(p + names.q_norm, (d,)))
+            layer(attn + "k_layernorm.weight", l, Direct(p + names.k_norm, (d,)))
         layer(attn + "linear_proj.weight", l, Direct(p + names.o, (h, n * d)))
         layer(mlp + "linear_fc1.layer_norm_weight", l, Direct(p + names.post_attention_norm, (h,)))
         layer(mlp + "router.weight", l, Direct(p + names.router, (E, h)))
@@ -189,6 +192,8 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
     shapes = {
         attn + "linear_qkv.layer_norm_weight": (L, h),
         attn + "linear_qkv.weight": (L, (n + 2 * g) * d, h),
+        attn + "q_layernorm.weight": (L, d),
+        attn + "k_layernorm.weight": (L, d),
         attn + "linear_proj.weight": (L, h, n * d),
         mlp + "linear_fc1.layer_norm_weight": (L, h),
         mlp + "router.weight": (L, E, h),

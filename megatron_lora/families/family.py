@@ -37,6 +37,8 @@ class HFNames:
     k: str = "self_attn.k_proj.weight"
     v: str = "self_attn.v_proj.weight"
     o: str = "self_attn.o_proj.weight"
+    q_norm: str = "self_attn.q_norm.weight"  # per-head norms, read when shape.qk_layernorm
+    k_norm: str = "self_attn.k_norm.weight"
     post_attention_norm: str = "post_attention_layernorm.weight"
     final_norm: str = "model.norm.weight"
     output: str = "lm_head.weight"

@@ -25,6 +25,9 @@ class ModelShape:
 
     kv_channels: the attention head dimension; None means hidden_size / num_attention_heads
     (then hidden_size must be a multiple of the head count).
+    qk_layernorm: an RMSNorm over each query and key head ([d] weights) before RoPE.
+    moe_router_pre_softmax: the routing weights are the softmax over all experts taken at the
+    top-k (not renormalised: HF `norm_topk_prob: false`); False renormalises over the top-k.
     """
 
     vocab_size: int
@@ -40,6 +43,8 @@ class ModelShape:
     norm_epsilon: float = 1e-5
     tie_embeddings: bool = False
     kv_channels: Optional[int] = None
+    qk_layernorm: bool = False
+    moe_router_pre_softmax: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",

@@ -79,7 +79,8 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
         get_num_layers_to_build,
     )
 
-    layer = get_gpt_layer_with_transformer_engine_spec(config.num_moe_experts, moe_grouped_gemm=False)
+    layer = get_gpt_layer_with_transformer_engine_spec(config.num_moe_experts, moe_grouped_gemm=False,
+                                                       qk_layernorm=config.qk_layernorm)
     # TE fuses the input norm into linear_qkv (key linear_qkv.layer_norm_weight); the MoE
     # pre-MLP norm is a separate TENorm. Store it under the same key as the local spec does, so
     # one checkpoint serves both specs.

@@ -68,7 +68,10 @@ def transformer_config(
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
+            moe_router_pre_softmax=shape.moe_router_pre_softmax,
         )
+    if shape.qk_layernorm:
+        kwargs["qk_layernorm"] = True
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

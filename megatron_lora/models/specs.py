@@ -73,24 +73,30 @@ def local_layer_spec(
     num_experts: Optional[int] = None,
     moe_grouped_gemm: bool = False,
     attention_backend: Optional[str] = None,
+    qk_layernorm: bool = False,
 ) -> ModuleSpec:
     """A TransformerLayer spec with local linears, SequentialMLP experts (GroupedExperts with
-    moe_grouped_gemm), RMSNorm, and the core attention `attention_backend` names (see the module
-    docstring)."""
+    moe_grouped_gemm), RMSNorm (also per query/key head with qk_layernorm), and the core
+    attention `attention_backend` names (see the module docstring)."""
     core_attention = core_attention_class(attention_backend)
     # megatron's own grouped experts need Transformer Engine (or, before 0.17, the grouped_gemm
     # package): ask for SequentialMLP and swap in GroupedExperts, which keeps its checkpoints.
     spec = get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=qk_layernorm,
     )
     # Copy, do not mutate: megatron's spec objects may be shared.
     replaced = dict(input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
     if moe_grouped_gemm and num_experts:
         replaced["mlp"] = _with_grouped_experts(spec.submodules.mlp)
+    attention = spec.submodules.self_attention
     if core_attention is not DotProductAttention:
-        replaced["self_attention"] = _with_core_attention(
-            spec.submodules.self_attention, core_attention
-        )
+        attention = _with_core_attention(attention, core_attention)
+    if qk_layernorm:  # per head ([d] weights): megatron's norm is WrappedTorchNorm, refused under SP
+        attention = spec_replace(attention, submodules=dataclasses.replace(
+            spec_submodules(attention), q_layernorm=RMSNorm, k_layernorm=RMSNorm))
+    if attention is not spec.submodules.self_attention:
+        replaced["self_attention"] = attention
     submodules = dataclasses.replace(spec.submodules, **replaced)
     return dataclasses.replace(spec, submodules=submodules)
 
@@ -102,7 +108,8 @@ def local_block_spec(
     attention_backend: Optional[str] = None,
 ) -> ModuleSpec:
     """A TransformerBlock spec for this pipeline stage's layers with an RMSNorm final norm."""
-    layer = local_layer_spec(config.num_moe_experts, moe_grouped_gemm, attention_backend)
+    layer = local_layer_spec(config.num_moe_experts, moe_grouped_gemm, attention_backend,
+                             qk_layernorm=config.qk_layernorm)
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     return ModuleSpec(
         module=TransformerBlock,

@@ -30,6 +30,7 @@ adapter_config.json PEFT writes (peft_config.prefix_config_dict).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -107,7 +108,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
         raise ConversionError(
             f"{adapter}: a DoRA adapter (trained with --lora-use-dora) on the experts "
             f"({', '.join(experts)}) has no PEFT format: PEFT supports DoRA on linear modules, not "
-            f"on Mixtral's experts. Export the merged model instead: megatron-lora export hf "
+            f"on routed experts. Export the merged model instead: megatron-lora export hf "
             f"--merge --load BASE --adapter {adapter} --save OUT (or train DoRA on linear_qkv / "
             f"linear_proj only to get a PEFT adapter)")
     entries: List[Tuple[str, Tuple[int, ...], object]] = []
@@ -132,7 +133,20 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
         if tokens:
             entries.append((key, (len(tokens), info.shape.hidden_size), ckpt.dtype))
     names = info.family.names
-    default = _default(values, names.kind_modules()["linear_fc1"][0])
+    gate = names.kind_modules()["linear_fc1"][0]
+    use_rslora = ckpt.config.use_rslora
+    if use_rslora and any(short_name(m) == gate for m in values):
+        # transformers 5 fuses the experts' gate and up projections into gate_up_proj, which
+        # PEFT adapts with r and lora_alpha doubled: that keeps alpha / r but not rsLoRA's
+        # alpha / sqrt(r) (PEFT would scale gate/up by sqrt(2) too much). Plain LoRA with alpha
+        # * sqrt(r) gives every module its trained rsLoRA scale.
+        values = {m: (r, alpha * math.sqrt(r)) for m, (r, alpha) in values.items()}
+        use_rslora = False
+        if notes is not None:
+            notes.append(f"use_rslora=true written as use_rslora=false with lora_alpha x sqrt(r) "
+                         f"in {CONFIG_NAME} (the same scales): PEFT fuses the experts' gate and "
+                         f"up adapters doubling r and lora_alpha, which changes an rsLoRA scale")
+    default = _default(values, gate)
     order = names.peft_order()
     rank_p, alpha_p = _patterns(values, default, order)
     shorts = sorted({short_name(m) for m in values}, key=order.index)
@@ -141,7 +155,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     if notes is not None:
         notes.extend(changed)
     config = adapter_config_dict(
-        r=default[0], lora_alpha=default[1], use_rslora=ckpt.config.use_rslora,
+        r=default[0], lora_alpha=default[1], use_rslora=use_rslora,
         target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
         lora_dropout=dropout, base_model=base_model, use_dora=dora, family=info.family,
         trainable_token_indices={m: tokens for m in TOKEN_MODULES} if tokens else None)

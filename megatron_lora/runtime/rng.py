@@ -53,18 +53,27 @@ def install_cpu_rng_tracker() -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed the default generators and megatron's named streams for the current layout.
+    """Make `seed` the run's seed (run_seed: the LoRA dropout keys, lora/dropout.py) and seed
+    every generator with it (seed_generators)."""
+    global _SEED
+    _SEED = int(seed)
+    seed_generators(seed)
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the default generators and megatron's named streams for the current layout, leaving
+    the run's seed as it is.
 
     Default (data-parallel) stream: `seed` on every rank. Tensor-parallel and expert streams are
     offset by megatron's rules from the rank's tp/ep/etp position, so a layout always draws the
-    same numbers for the same seed.
+    same numbers for the same seed. Once the model is built no training result depends on
+    them: every random draw of a training step is keyed by the run's seed instead (LoRA dropout,
+    lora/dropout.py; the data order, data/batches.py), so checkpoints carry no RNG state.
     """
     import random
 
     import numpy as np
 
-    global _SEED
-    _SEED = int(seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

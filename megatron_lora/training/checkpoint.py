@@ -7,15 +7,18 @@ Layout on disk:
         optimizer.*  megatron optimizer state for those parameters
         common       scheduler, iteration, consumed samples, run config (plain data); with
                      fp16 adapters also the dynamic loss scale (`loss_scale`)
-    SAVE/iter_0000020/rng/rank_00003.pt         per-rank RNG states (tensors only)
     SAVE/iter_0000020/run_config.yaml           the flags of the run that wrote it (when its
                                                 run metadata has a "run_config"; `train --config`)
+
+No RNG state is saved: every random draw of a training step is keyed by (run seed, iteration,
+micro-batch, adapter) or (seed, epoch) for the data order, so a resume is exact without one. The
+per-rank `rng/` folder that older versions wrote is never opened.
 
 A checkpoint is written into `iter_XXXXXXX.tmp`, renamed into place when every rank has finished,
 and only then is the tracker replaced (write to a temporary file + os.replace). A crash at any
 point leaves the previous checkpoint and the tracker pointing at it; `.tmp` folders are never
 loaded. Every file is read as plain data through `runtime.safe_load` (the `.metadata` pickle with
-an allow-list of exact classes, `common.pt`, RNG and tensor files with weights_only=True), and
+an allow-list of exact classes, `common.pt` and tensor files with weights_only=True), and
 checked on every rank before the first collective of a load.
 """
 
@@ -23,14 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import shutil
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_lora.runtime.safe_load import (
@@ -38,7 +39,6 @@ from megatron_lora.runtime.safe_load import (
     check_checkpoint,
     dist_load,
     load_common_state,
-    safe_torch_load,
 )
 from megatron_lora.training.optimizer import (
     LOSS_SCALE_KEYS,
@@ -118,30 +118,6 @@ def trainable_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> Dict:
             raise RuntimeError(f"trainable parameters without a sharded state dict entry: "
                                f"{sorted(missing)[:5]}")
     return out
-
-
-def _rng_state() -> Dict[str, torch.Tensor]:
-    py = random.getstate()
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": torch.tensor(list(py[1]), dtype=torch.int64),
-        "python_pos": torch.tensor([py[1][-1], py[0]]),
-        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": torch.tensor([np_state[2]]),
-    }
-    for name, s in tensor_parallel.get_cuda_rng_tracker().get_states().items():
-        state[f"tracker/{name}"] = s if isinstance(s, torch.Tensor) else torch.as_tensor(s)
-    return state
-
-
-def _set_rng_state(state: Dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(int(x) for x in state["python"].tolist()), None))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32),
-                         int(state["numpy_pos"][0]), 0, 0.0))
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.set_states({k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("tracker/")})
 
 
 def _param_pairs(optimizer):
@@ -243,7 +219,7 @@ def _write_run_config(directory: str, common: Dict) -> None:
 
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
                     common: Dict) -> str:
-    """Save trainable params, optimizer, scheduler, RNG and `common` (plain data) atomically.
+    """Save trainable params, optimizer, scheduler and `common` (plain data) atomically.
 
     Steps, each complete before the next starts: (1) every rank writes into iter_XXXXXXX.tmp
     (rank 0 also run_config.yaml); (2) rank 0 renames it to iter_XXXXXXX; (3) rank 0 replaces
@@ -283,8 +259,6 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         state["loss_scale"] = scale
     state["common"] = dict(common, iteration=iteration)
     dist_checkpointing.save(state, tmp)
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank():05d}.pt"))
     if dist.get_rank() == 0:
         _write_run_config(tmp, common)
     dist.barrier()
@@ -307,23 +281,18 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, layout_name: 
                     iteration: Optional[int] = None) -> Dict:
     """Load the tracker's (or the given) iteration into model/optimizer/scheduler; returns common.
 
-    RNG states are per rank, so they are restored only when the checkpoint was written by as many
-    ranks in the same layout (`common["layout"] == layout_name`); otherwise the caller's seeding
-    stands.
+    No RNG state is restored (none is needed, see the module docstring); an older checkpoint's
+    `rng/` folder is ignored, never read. layout_name: this run's layout (a checkpoint loads at
+    any layout: it reshards).
     """
     iteration = read_tracker(root) if iteration is None else iteration
     if iteration is None:
         raise FileNotFoundError(f"no checkpoint in {root} (no {TRACKER})")
     directory = iteration_dir(root, iteration)
-    rng_path = os.path.join(directory, "rng", f"rank_{dist.get_rank():05d}.pt")
-    problem, rng = None, None
+    problem = None
     try:  # every file this rank reads, read and checked before the first collective
         saved = _common_state(directory, check_checkpoint(directory)[1])
         common = saved["common"]
-        same_layout = (common.get("world_size") == dist.get_world_size()
-                       and common.get("layout") == layout_name)
-        if same_layout and os.path.isfile(rng_path):
-            rng = _rng_file(rng_path)
     except CheckpointFileError as exc:
         problem = exc
     _agree(problem, directory)
@@ -339,8 +308,6 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, layout_name: 
     _set_optimizer_state(model_sd["model0"], optimizer, loaded["optimizer"], iteration)
     scheduler.load_state_dict(saved["scheduler"])
     set_loss_scale_state(optimizer, saved.get("loss_scale"))
-    if rng is not None:
-        _set_rng_state(rng)
     return common
 
 
@@ -361,22 +328,10 @@ def _common_state(directory: str, saved: Optional[Dict]) -> Dict:
     return saved
 
 
-_RNG_KEYS = ("torch", "python", "python_pos", "numpy", "numpy_pos")
-
-
-def _rng_file(path: str) -> Dict[str, torch.Tensor]:
-    """A per-rank RNG file, read as tensors only and checked to hold every state."""
-    state = safe_torch_load(path)
-    if (not isinstance(state, dict) or not all(k in state for k in _RNG_KEYS)
-            or not all(isinstance(v, torch.Tensor) for v in state.values())):
-        raise CheckpointFileError(path, f"not an RNG state file (a dict of tensors with keys "
-                                        f"{list(_RNG_KEYS)})")
-    return state
-
-
 def _agree(problem: Optional[CheckpointFileError], directory: str) -> None:
-    """Raise on every rank when any rank found a bad file (a per-rank RNG file can be bad on one
-    rank only): one all-reduce that every rank reaches, so no rank is left waiting."""
+    """Raise on every rank when any rank found a bad file (a rank whose view of the folder
+    differs can fail alone): one all-reduce that every rank reaches, so no rank is left
+    waiting."""
     from megatron_lora.runtime import device
 
     flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=device())

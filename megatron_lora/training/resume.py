@@ -130,8 +130,8 @@ def check_metadata(source: str, saved: Optional[Dict], current: Optional[Dict]) 
             f"logging; docs/training.md, Checkpoints); start a new run in another --save folder "
             f"to change these")
     return [f"accepted on resume: {_field(p, old, new)}" +
-            (" (the adapters come from the checkpoint; the data order and the RNG of a resume at "
-             "another layout follow this run's --seed)" if p == "lora.seed" else
+            (" (the adapters come from the checkpoint; the data order and the dropout masks "
+             "follow this run's --seed)" if p == "lora.seed" else
              " (applies from the next iteration)")
             for p, old, new in accepted]
 

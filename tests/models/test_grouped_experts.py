@@ -11,6 +11,12 @@ and LoRA factor, exact wherever SequentialMLP is.
   buffer (also after `.to()`), and the grouped matmul is the one doing the work.
 - Mixed adapters (a rank pattern giving experts different ranks) and merged adapters take the
   per-adapter fallback and still equal SequentialMLP with the same weights.
+- Per-expert scales from LoraConfig's alpha_pattern (one rank) and rank_pattern + alpha_pattern,
+  rsLoRA off and on, non-zero B: grouped and sequential experts equal a plain-torch reference
+  that scales each expert by its own alpha / r (alpha / sqrt(r)), and each other at EP 2 and
+  expert-TP 2 (outputs, input gradient, every adapter gradient). A grouped path that used expert
+  0's scale for all experts leaves these by up to 250 (the older cases cannot see it: their
+  experts share one scale or differ in rank).
 """
 
 import pytest
@@ -148,3 +154,160 @@ def test_mixed_and_merged_adapters_fall_back_exactly(layout=ParallelLayout(ep=2)
     torch.testing.assert_close(merged, reference, rtol=0, atol=1e-5)
     torch.testing.assert_close(before, reference, rtol=0, atol=1e-5)
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+# ---- per-expert scales from LoraConfig's rank_pattern / alpha_pattern -------------------------
+# Each case gives the layer's 8 experts different alphas (and, in the second, ranks). A whole
+# model keeps one rank per adapter kind (lora/sizes.py), so the first case is what `train
+# --lora-alpha-pattern` produces: one rank, per-expert scales, which the grouped path must not
+# collapse into expert 0's. The router matches no pattern (r 4, alpha 8).
+PATTERNS = {
+    "alpha": ({}, {r"experts\.[1357]\.": 2.0, r"experts\.2\.": 24.0}),
+    "rank+alpha": ({r"experts\.[1357]\.": 2, r"experts\.6\.": 8},
+                   {r"experts\.[0-3]\.": 3.0, r"experts\.6\.": 32.0}),
+}
+
+
+def _expected(case, e):
+    """(rank, alpha) of global expert e in a PATTERNS case, written out by hand (the first
+    matching pattern wins), never read from LoraConfig or an adapter."""
+    rank = {"alpha": 4, "rank+alpha": 2 if e % 2 else (8 if e == 6 else 4)}[case]
+    alpha = {"alpha": 2.0 if e % 2 else (24.0 if e == 2 else 8.0),
+             "rank+alpha": 3.0 if e <= 3 else (32.0 if e == 6 else 8.0)}[case]
+    return rank, alpha
+
+
+def _pattern_config(case, rslora, dropout=0.0):
+    from megatron_lora.lora.model import LoraConfig
+
+    ranks, alphas = PATTERNS[case]
+    return LoraConfig(r=4, lora_alpha=8.0, lora_dropout=dropout, use_rslora=rslora,
+                      init_lora_weights=False, rank_pattern=ranks, alpha_pattern=alphas,
+                      target_modules=["linear_fc1", "linear_fc2", "router"])
+
+
+def _scale(rank, alpha, rslora):
+    import math
+
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def _pattern_reference(case, rslora, weights, x, grad_out, drop):
+    """Output, input gradient and {global adapter name: (grad A, grad B, A)} of the plain-torch
+    MoE layer of tests/lora/_moe_support.py with each expert's own scale (folded into its B, the
+    reference's common scale then 1), from the global weights."""
+    from megatron_lora.lora import AdapterConfig
+    from megatron_lora.lora.adapter import init_global_factors
+    from tests.lora._moe_support import E, FFN, H, reference, seed_for
+
+    leaves, experts = {}, {}
+    for e in range(E):
+        rank, alpha = _expected(case, e)
+        cfg = AdapterConfig(rank=rank, alpha=alpha, init_lora_weights=False)
+        factors = []
+        for target, (i, o) in (("linear_fc1", (H, 2 * FFN)), ("linear_fc2", (FFN, H))):
+            a, b = init_global_factors(cfg, i, o,
+                                       seed_for(f"decoder.layers.0.mlp.experts.{e}.{target}"))
+            a.requires_grad_(True)
+            b.requires_grad_(True)
+            leaves[f"decoder.layers.0.mlp.experts.{e}.{target}"] = (a, b)
+            factors += [a, b * _scale(rank, alpha, rslora)]
+        experts[e] = factors
+    ar, br = init_global_factors(AdapterConfig(rank=4, alpha=8.0, init_lora_weights=False),
+                                 H, E, seed_for("router"))
+    ar.requires_grad_(True)
+    br.requires_grad_(True)
+    leaves["router"] = (ar, br)
+    xr = x.clone().requires_grad_(True)
+    y, _, loss = reference(weights, experts, (ar, br * _scale(4, 8.0, rslora)), xr, grad_out,
+                           1.0, drop)
+    loss.backward()
+    return y.detach(), xr.grad, {n: (a.grad, b.grad, a.detach()) for n, (a, b) in leaves.items()}
+
+
+@multirank(world_size=1, timeout=300)
+def test_pattern_scales_per_expert_match_the_reference(layout=ParallelLayout()):
+    """Grouped and sequential experts with per-expert alphas (and ranks) from the patterns,
+    rsLoRA off and on, dropout 0 and 0.2, non-zero B: output, input gradient and every adapter
+    gradient equal the plain-torch reference that scales each expert by its own
+    alpha / r (alpha / sqrt(r)), fp32 1e-5 relative to each quantity's largest entry (scales
+    0.5 to 12 make some gradients O(10))."""
+    import torch
+
+    from megatron_lora.lora import draw_dropout_key
+    from tests.lora._moe_support import BATCH, H, SEQ, build_layer, global_weights
+
+    weights = global_weights()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(SEQ, BATCH, H, generator=g)
+    grad_out = torch.randn(SEQ, BATCH, H, generator=g) * 0.1
+    problems, checked = [], 0
+    for case in PATTERNS:
+        for rslora in (False, True):
+            for dropout in (0.0, 0.2):
+                config = _pattern_config(case, rslora, dropout)
+                scales = {_scale(*_expected(case, e), rslora) for e in range(8)}
+                assert len(scales) >= 3, scales  # the case really has per-expert scales
+                for grouped in (True, False):
+                    _, layer, adapters, router = build_layer(
+                        layout, "allgather", weights, config.adapter_config, grouped=grouped)
+                    layer.train()
+                    xl = x.clone().requires_grad_(True)
+                    state = torch.get_rng_state()
+                    out, _ = layer(xl)
+                    drop = None
+                    if dropout:  # the keys the forward drew: the router's, then the layer's
+                        after = torch.get_rng_state()
+                        torch.set_rng_state(state)
+                        cpu = torch.device("cpu")
+                        drop = (dropout, draw_dropout_key(cpu), draw_dropout_key(cpu))
+                        torch.set_rng_state(after)
+                    (out * grad_out).sum().backward()
+                    y, gx, ref = _pattern_reference(case, rslora, weights, x, grad_out, drop)
+                    name = f"{case}/rslora={rslora}/p={dropout}/grouped={grouped}"
+                    got = {"output": (out, y), "grad_input": (xl.grad, gx)}
+                    for ad in adapters + [router]:
+                        key = getattr(ad, "global_name", "router")
+                        ga, gb, a = ref[key]
+                        if not torch.equal(ad.lora_A.detach(), a):
+                            problems.append(f"{name} {key}: A is not the reference's (rank?)")
+                            continue
+                        got[f"{key}.lora_A"] = (ad.lora_A.grad, ga)
+                        got[f"{key}.lora_B"] = (ad.lora_B.grad, gb)
+                    for what, (have, want) in got.items():
+                        checked += 1
+                        err = (have.detach() - want).abs().max().item()
+                        if not err <= 1e-5 * max(1.0, want.abs().max().item()):  # fp32
+                            problems.append(f"{name} {what}: {err:.3g}")
+    assert checked == 2 * 2 * 2 * 2 * (2 + 2 * 17)
+    assert not problems, f"{len(problems)} of {checked} differ: {problems[:12]}"
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(ep=2), ParallelLayout(etp=2)],
+                         ids=["EP2", "ETP2"])
+@multirank(world_size=2, timeout=300)
+def test_pattern_scales_per_expert_grouped_equals_sequential(layout):
+    """The same pattern cases at EP 2 (4 local experts a rank) and expert-TP 2: the grouped
+    layer equals SequentialMLP with the same weights and adapters (output, input gradient,
+    every local adapter's gradients), rsLoRA off and on, dropout 0.2."""
+    import torch
+
+    from tests.lora._moe_support import BATCH, H, SEQ
+
+    x = torch.randn(SEQ, BATCH, H, generator=torch.Generator().manual_seed(6))
+    problems = []
+    for case in PATTERNS:
+        for rslora in (False, True):
+            config = _pattern_config(case, rslora, dropout=0.2)
+            (seq, ads_s), (grp, ads_g) = _layers(layout, config.adapter_config)
+            (out_g, gx_g), (out_s, gx_s) = _run(grp, x), _run(seq, x)
+            got = {"output": (out_g, out_s), "grad_input": (gx_g, gx_s)}
+            assert [a.global_name for a in ads_g] == [a.global_name for a in ads_s]
+            for a, b in zip(ads_g, ads_s):
+                got[f"{a.global_name}.lora_A"] = (a.lora_A.grad, b.lora_A.grad)
+                got[f"{a.global_name}.lora_B"] = (a.lora_B.grad, b.lora_B.grad)
+            for what, (have, want) in got.items():
+                err = (have - want).abs().max().item()
+                if not err <= 1e-5:
+                    problems.append(f"{case}/rslora={rslora} {what}: {err:.3g}")
+    assert not problems, problems

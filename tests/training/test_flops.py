@@ -178,3 +178,24 @@ def test_train_logs_tflops_consistent_with_tokens_per_s(tmp_path, tiny_example):
         assert r["tflops"] == pytest.approx(r["tokens/s"] * per_token / 1e12, rel=1e-9)
     shown = re.findall(r"tokens/s: (\d+) \| TFLOP/s per device: ([0-9.e+-]+) \|", out.stdout)
     assert len(shown) == 2
+
+
+def test_the_worked_example_of_the_docs_is_the_function():
+    """docs/training.md's Mixtral 8x7B numbers (s 4096, LoRA r=16 on q, k, v, o and every
+    expert's fc1/fc2) are what lora_step_flops returns."""
+    shape = ModelShape(vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+                       num_attention_heads=32, num_query_groups=8, num_experts=8,
+                       moe_router_topk=2)
+    lora = lora_step_flops(shape, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS),
+                           4096, 4096, micro_batches=1)
+    full = lora_step_flops(shape, None, 4096, 4096, micro_batches=1)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "training.md")) as f:
+        section = f.read().split("### Model TFLOP/s and MFU", 1)[1].split("\n## ", 1)[0]
+    numbers = {int(x.replace(",", "")) for x in re.findall(r"\d{1,3}(?:,\d{3})+", section)}
+    per_token = {k: v / 4096 for k, v in lora.parts().items()}
+    assert per_token["base_forward"] == per_token["base_input_grad"] == 25_497_174_016
+    assert per_token["attention"] == 3_221_225_472 and per_token["adapters"] == 371_195_904
+    assert (lora.per_token, full.per_token) == (54_586_769_408, 79_712_747_520)
+    assert {25_497_174_016, 3_221_225_472, 371_195_904, 54_586_769_408,
+            79_712_747_520, 12_748_587_008} <= numbers

@@ -16,17 +16,18 @@ own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward
 Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
 wall time), tokens/s, peak memory (torch.cuda.max_memory_allocated, reset per mode).
 
-Model FLOPs per token (stated so that MFU can be checked by hand): N = the parameters a token
-uses (attention linears + top-k experts' fc1/fc2 + output layer, per layer summed; embedding
-lookups excluded), attention = 3 x 4 L s h / 2 (QK^T and AV, causal half, forward + two
-backward products). full: 6 N + attention; lora and frozen: 4 N + attention (forward and the
-input-gradient products; frozen weights get no weight gradient; the LoRA factors' own FLOPs are
-not counted). MFU = model TFLOP/s / --peak-tflops (989: H200 dense bf16).
+Model FLOPs per token: megatron_lora.training.flops.lora_step_flops, the function `train` logs
+TFLOP/s with (docs/training.md, "Model TFLOP/s and MFU"), so this check and a training log agree:
+full 6 N + attention; lora, dora and prefix 4 N + attention + their adapters' own FLOPs (frozen
+weights get no weight gradient); frozen 4 N + attention. N = the base linears a token visits
+(attention linears, router, top-k experts, output layer), attention = 6 s d_attn per layer
+(causal half). MFU = model TFLOP/s / the device's dense bf16 peak (the table in
+training/flops.py; --peak-tflops overrides it; none on CPU).
 
-Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, model_tflops, mfu,
-peak_memory_bytes; lora_over_frozen, lora_over_full, dora_over_lora and prefix_over_lora
-(step-time ratios),
-grouped_over_sequential_lora and _frozen; the shape; seconds. Designed to finish well inside 8
+Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, flops_per_token,
+model_tflops, mfu (null without a peak), peak_memory_bytes; lora_over_frozen, lora_over_full,
+dora_over_lora and prefix_over_lora (step-time ratios), grouped_over_sequential_lora and
+_frozen; the shape; seconds. Designed to finish well inside 8
 minutes on an H200 (model builds dominate).
 """
 
@@ -58,15 +59,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def mode_config(mode: str):
+    """The LoraConfig a mode trains (None: full fine-tuning; frozen: lora's, adapters left out)."""
+    from megatron_lora.lora.model import LoraConfig
+
+    mode = mode.replace("_sequential", "")
+    if mode == "full":
+        return None
+    if mode == "prefix":
+        return LoraConfig(num_virtual_tokens=20, target_modules=())
+    return LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, use_dora=mode == "dora")
+
+
 def flops_per_token(shape: dict, seq: int, mode: str) -> float:
-    """Model FLOPs per token of one training step (formula in the module docstring)."""
-    h, f, L = shape["hidden_size"], shape["ffn_hidden_size"], shape["num_layers"]
-    kv = h // shape["num_attention_heads"] * shape["num_query_groups"]
-    attention_linears = h * (h + 2 * kv) + h * h
-    experts = shape["moe_router_topk"] * 3 * h * f
-    n = L * (attention_linears + experts) + shape["vocab_size"] * h
-    attention = 3 * 4 * L * seq * h / 2
-    return (6 if mode == "full" else 4) * n + attention
+    """Model FLOPs per token of one step of `mode` on one [1, seq] row: training/flops.py's
+    lora_step_flops, what `train` logs."""
+    from dataclasses import replace
+
+    from megatron_lora.models.gpt import ModelShape
+    from megatron_lora.training.flops import lora_step_flops
+
+    count = lora_step_flops(ModelShape(**shape), mode_config(mode), seq, seq, micro_batches=1)
+    if mode.startswith("frozen"):  # the base of `lora` without its adapters
+        count = replace(count, adapters=0.0, per_forward=0.0)
+    return count.per_token
 
 
 def build(shape: dict, grouped: bool, dtype, device):
@@ -90,7 +106,7 @@ def build(shape: dict, grouped: bool, dtype, device):
 def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict:
     import torch
 
-    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.lora.model import apply_lora
     from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
     from megatron_lora.training.step import forward_backward
 
@@ -99,11 +115,8 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model = build(shape, grouped, dtype, device)
-    if mode in ("lora", "dora"):
-        apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
-                                     use_dora=mode == "dora"), verbose=False)
-    elif mode == "prefix":
-        apply_lora(model, LoraConfig(num_virtual_tokens=20, target_modules=()), verbose=False)
+    if mode in ("lora", "dora", "prefix"):
+        apply_lora(model, mode_config(mode), verbose=False)
     elif mode == "frozen":
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith("decoder.final_layernorm")
@@ -125,13 +138,15 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     best = min(times)
-    tflops = flops_per_token(shape, args.seq, mode) * args.seq / best / 1e12
+    per_token = flops_per_token(shape, args.seq, mode)
+    tflops = per_token * args.seq / best / 1e12
     result = {
         "ms_per_step": round(best * 1e3, 2),
         "mean_ms_per_step": round(sum(times) / len(times) * 1e3, 2),
         "tokens_per_s": round(args.seq / best, 1),
-        "model_tflops": round(tflops, 4),
-        "mfu": round(tflops / args.peak_tflops, 4),
+        "flops_per_token": per_token,
+        "model_tflops": float(f"{tflops:.6g}"),
+        "mfu": round(tflops / args.peak_tflops, 4) if args.peak_tflops else None,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
@@ -149,7 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=None, help="default 4096 (tiny: 64)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=None, help="default 3")
-    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="one device's peak for MFU (default: the device's dense bf16 peak "
+                             "from training/flops.py; none on CPU)")
     args = parser.parse_args(argv)
     started = time.time()
     import torch
@@ -172,6 +189,10 @@ def main(argv=None) -> int:
     from megatron_lora.runtime import ParallelLayout
 
     runtime.initialize(ParallelLayout(), seed=1234)
+    if args.peak_tflops is None and device.type == "cuda":
+        from megatron_lora.training.flops import bf16_peak_tflops
+
+        args.peak_tflops = bf16_peak_tflops(torch.cuda.get_device_name())
     modes = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
              ("lora", False), ("frozen", False)]
     results = {}
@@ -180,8 +201,9 @@ def main(argv=None) -> int:
         results[key] = run_mode(mode, grouped, shape, args, torch.bfloat16, device)
         r = results[key]
         mem = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f}"
+        mfu = "  -   " if r["mfu"] is None else f"{r['mfu'] * 100:5.1f}%"
         print(f"{key:18s} {r['ms_per_step']:9.1f} ms {r['tokens_per_s']:10.0f} tok/s "
-              f"{r['model_tflops']:8.1f} TFLOP/s  MFU {r['mfu'] * 100:5.1f}%  peak {mem} GiB",
+              f"{r['model_tflops']:8.1f} TFLOP/s  MFU {mfu}  peak {mem} GiB",
               flush=True)
     runtime.shutdown()
     ms = {k: v["ms_per_step"] for k, v in results.items()}
@@ -196,7 +218,9 @@ def main(argv=None) -> int:
         "prefix_over_lora": round(ms["prefix"] / ms["lora"], 4),
         "grouped_over_sequential_lora": round(ms["lora"] / ms["lora_sequential"], 4),
         "grouped_over_sequential_frozen": round(ms["frozen"] / ms["frozen_sequential"], 4),
-        "flop_formula": "full 6N + attention, lora/frozen 4N + attention; attention = 3*4*L*s*h/2",
+        "flop_formula": "megatron_lora.training.flops.lora_step_flops: full 6N + attention, "
+                        "lora/dora/prefix 4N + attention + adapters, frozen 4N + attention; "
+                        "attention = 6*L*s*d_attn (causal half)",
         "peak_tflops": args.peak_tflops,
         "seconds": round(time.time() - started, 1),
     }

@@ -3,7 +3,9 @@ TensorBoard scalars, Weights & Biases, and a plot of the whole run.
 
 Scalar names are Megatron-LM's, the same everywhere (TensorBoard tags, W&B keys, metrics.jsonl
 keys): `lm loss`, `learning-rate`, `grad-norm` every iteration, `lm loss validation` at every
---eval-interval.
+--eval-interval. Each logged iteration (--log-interval) adds its throughput since the last
+logged one: `tokens/s` (target tokens), and with the step's model FLOPs known (training/flops.py)
+`tflops`, model TFLOP/s per device, and `mfu` where the device's peak is known.
 
 The history of a run is `metrics.jsonl` in its output folder (--save, else --tensorboard-dir):
 one JSON object per line, appended by rank 0 after each iteration and evaluation, each line
@@ -27,6 +29,7 @@ from typing import Dict, List, Optional
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
 LOSS, LR, GRAD_NORM, VALID_LOSS = "lm loss", "learning-rate", "grad-norm", "lm loss validation"
+TOKENS_PER_S, TFLOPS, MFU = "tokens/s", "tflops", "mfu"
 
 
 def wandb_problems(project: Optional[str], exp_name: Optional[str] = None,
@@ -166,13 +169,18 @@ class TrainingLog:
     metrics_path: the run's metrics.jsonl (None: no history file; the plot then shows this
         call's iterations only). start_iteration: the iteration the run resumes at.
     wandb: W&B settings (None: no W&B).
+    step_flops: the model FLOPs of one iteration, every rank together (training/flops.py; None:
+        no TFLOP/s). devices: how many devices share them (TFLOP/s is per device, as Megatron-LM
+        reports throughput per GPU). peak_tflops: one device's peak (None: no MFU).
     """
 
     def __init__(self, enabled: bool, train_iters: int, tensorboard_dir: Optional[str],
                  start_iteration: int = 0, *, metrics_path: Optional[str] = None,
-                 wandb: Optional[WandbSettings] = None):
+                 wandb: Optional[WandbSettings] = None, step_flops: Optional[float] = None,
+                 devices: int = 1, peak_tflops: Optional[float] = None):
         self.enabled = enabled
         self.train_iters = train_iters
+        self.step_flops, self.devices, self.peak_tflops = step_flops, devices, peak_tflops
         self.history: List[dict] = []  # this call's records
         self._start = time.monotonic()
         self._last = self._start
@@ -216,27 +224,38 @@ class TrainingLog:
                   tokens: int, consumed_samples: int, global_batch_size: int, log: bool) -> None:
         if not self.enabled:
             return
-        self._record(iteration, {LOSS: loss, LR: lr, GRAD_NORM: grad_norm},
-                     **{"consumed samples": consumed_samples})
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix(loss=f"{loss:.4f}")
         self._pending_iters += 1
         self._pending_tokens += tokens
+        scalars = {LOSS: loss, LR: lr, GRAD_NORM: grad_norm}
         if log:
             now = time.monotonic()
             seconds = max(now - self._last - self._excluded, 1e-9)
             step_ms = seconds * 1000.0 / self._pending_iters
-            tokens_per_s = self._pending_tokens / max(seconds, 1e-9)
+            throughput = self._throughput(seconds)
+            scalars.update(throughput)
             self._last, self._pending_iters, self._pending_tokens, self._excluded = now, 0, 0, 0.0
+        self._record(iteration, scalars, **{"consumed samples": consumed_samples})
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}")
+        if log:
             gn = "nan" if grad_norm is None else f"{grad_norm:.3f}"
             self.message(
                 f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: "
                 f"{consumed_samples:12d} | elapsed time per iteration (ms): {step_ms:.1f} | "
                 f"learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} | "
                 f"lm loss: {loss:.6E} | grad norm: {gn} | "
-                f"tokens/s: {tokens_per_s:.0f} | "
+                f"tokens/s: {throughput[TOKENS_PER_S]:.0f} | {_shown_flops(throughput)}"
                 f"elapsed: {now - self._start:.1f} s |")
+
+    def _throughput(self, seconds: float) -> Dict[str, float]:
+        """tokens/s, and tflops (per device) and mfu when known, over the pending iterations."""
+        out = {TOKENS_PER_S: self._pending_tokens / seconds}
+        if self.step_flops is not None:
+            out[TFLOPS] = self.step_flops * self._pending_iters / seconds / self.devices / 1e12
+            if self.peak_tflops:
+                out[MFU] = out[TFLOPS] / self.peak_tflops
+        return out
 
     def validation(self, iteration: int, loss: float) -> None:
         """The validation loss after `iteration` (mean over --eval-iters batches)."""
@@ -272,6 +291,13 @@ class TrainingLog:
             return None
         records = read_metrics(self._metrics.path) if self._metrics is not None else self.history
         return plot_path if plot_run(records, plot_path) is not None else None
+
+
+def _shown_flops(throughput: Dict[str, float]) -> str:
+    if TFLOPS not in throughput:
+        return ""
+    mfu = f"MFU: {throughput[MFU] * 100:.1f}% | " if MFU in throughput else ""
+    return f"TFLOP/s per device: {throughput[TFLOPS]:.3g} | {mfu}"
 
 
 def _start_wandb(settings: WandbSettings):

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron_lora.data.batches import PackedDataset
 from megatron_lora.training import checkpoint as ckpt
 from megatron_lora.training import resume
+from megatron_lora.training.flops import step_throughput
 from megatron_lora.training.logging import (METRICS_FILE, PLOT_FILE, TrainingLog, WandbSettings,
                                             wandb_problems)
 from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
@@ -123,10 +124,14 @@ def train(
     eval_dataset: Optional[PackedDataset] = None,
     stop_after: Optional[int] = None,
     on_iteration: Optional[Callable[[int, float], None]] = None,
+    model_shape=None,
+    lora_config=None,
 ) -> TrainResult:
     """Train for run.train_iters iterations (resuming from `load` or `run.save` if they hold a
     checkpoint). `run_metadata` (plain data, e.g. the LoRA config) is saved with checkpoints and
-    must match on resume. `stop_after` ends the loop early at that iteration (as a crash would)."""
+    must match on resume. `stop_after` ends the loop early at that iteration (as a crash would).
+    `model_shape` (a ModelShape) and `lora_config` (None: full fine-tuning) make the log report
+    model TFLOP/s (training/flops.py); without `model_shape` it reports tokens/s only."""
     problems = run.batch_problems(parallel_state.get_data_parallel_world_size())
     if problems:
         raise ValueError("; ".join(problems))
@@ -151,9 +156,14 @@ def train(
     start_iteration = iteration
     rank0 = dist.get_rank() == 0
     out_dir = run.output_dir
+    flops, peak, flops_note = (step_throughput(model_chunks, model_shape, lora_config, run)
+                               if model_shape is not None else (None, None, None))
     log = TrainingLog(rank0, run.train_iters, run.tensorboard_dir, start_iteration=iteration,
                       metrics_path=os.path.join(out_dir, METRICS_FILE) if out_dir else None,
-                      wandb=run.wandb_settings(dict(asdict(run), run_metadata=run_metadata)))
+                      wandb=run.wandb_settings(dict(asdict(run), run_metadata=run_metadata)),
+                      step_flops=flops, devices=dist.get_world_size(), peak_tflops=peak)
+    if flops_note:
+        log.message(flops_note)
     if rank0 and iteration:
         log.message(f"resumed from {source} at iteration {iteration} "
                     f"({consumed} samples consumed)")

@@ -421,7 +421,8 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
     start = time.monotonic()
     try:
         result = train([model], train_set, run, optim, layout_name=layout.describe(),
-                       run_metadata=metadata, eval_dataset=eval_set)
+                       run_metadata=metadata, eval_dataset=eval_set,
+                       model_shape=info.shape, lora_config=lora)
     except (ResumeMismatchError, ValueError) as exc:  # raised on every rank before any step
         runtime.shutdown()
         raise TrainSetupError(str(exc)) from None

@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_gpu_check_smoke_on_cpu():
-    from benchmarks.gpu.check import SHAPE_8X7B, flops_per_token
+    from benchmarks.gpu.check import flops_per_token
 
     out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -25,7 +25,11 @@ def test_gpu_check_smoke_on_cpu():
                           "frozen_sequential"}
     for name, mode in modes.items():
         assert mode["ms_per_step"] > 0 and mode["tokens_per_s"] > 0, name
-        assert mode["model_tflops"] >= 0 and 0 <= mode["mfu"] < 1, name
+        assert mode["mfu"] is None, name  # CPU: no peak, no MFU
+        # the printed TFLOP/s is tokens/s x the FLOPs per token `train` logs with
+        assert mode["flops_per_token"] == flops_per_token(_run_shape(result), 64, name)
+        assert mode["model_tflops"] == pytest.approx(
+            mode["tokens_per_s"] * mode["flops_per_token"] / 1e12, rel=1e-3), name
     trainable = {name: mode["trainable_parameters"] for name, mode in modes.items()}
     # frozen trains only the final norm; LoRA some; full everything.
     assert trainable["frozen"] == result["shape"]["hidden_size"]
@@ -40,9 +44,33 @@ def test_gpu_check_smoke_on_cpu():
     assert result["lora_over_full"] == pytest.approx(ms["lora"] / ms["full"], rel=1e-3)
     assert result["grouped_over_sequential_lora"] == pytest.approx(
         ms["lora"] / ms["lora_sequential"], rel=1e-3)
-    # The stated formula at 8x7B shapes: N = 2 layers x (42 M attention + 352 M top-2
-    # experts) + 131 M output layer; full = 6 N + 3 x 4 L s h / 2.
-    n = 2 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 2 * 3 * 4096 * 14336) + 32000 * 4096
-    attention = 3 * 4 * 2 * 4096 * 4096 / 2
+    flops = {name: mode["flops_per_token"] for name, mode in modes.items()}
+    assert flops["frozen"] < flops["lora"] < flops["dora"] and flops["lora"] < flops["full"]
+    assert flops["frozen"] < flops["prefix"]
+
+
+def _run_shape(result):
+    """The model shape the run reports (the tiny sizes; positions grown to its sequence)."""
+    return {k: v for k, v in result["shape"].items()
+            if k not in ("seq_length", "dtype", "micro_batch_size")}
+
+
+def test_gpu_check_counts_with_the_function_train_logs_with():
+    """At 8x7B layer shapes (2 layers): the check's figure is lora_step_flops's, which is
+    4 N + attention + 6 x the adapter parameters a token visits for LoRA, 6 N + attention for
+    full fine-tuning, N counting the router and only the top-2 experts."""
+    from benchmarks.gpu.check import SHAPE_8X7B, TARGETS, flops_per_token
+    from megatron_lora.lora.model import LoraConfig
+    from megatron_lora.models.gpt import ModelShape
+    from megatron_lora.training.flops import lora_step_flops
+
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
+    assert flops_per_token(SHAPE_8X7B, 4096, "lora") == lora_step_flops(
+        ModelShape(**SHAPE_8X7B), lora, 4096, 4096, micro_batches=1).per_token
+    h, kv, f, v = 4096, 1024, 14336, 32000
+    n = 2 * (h * (h + 2 * kv) + h * h + h * 8 + 2 * 3 * h * f) + v * h
+    attention = 6 * 4096 * h * 2
+    adapters = 2 * 16 * ((h + h + 2 * kv) + (h + h) + 2 * ((h + 2 * f) + (f + h)))
     assert flops_per_token(SHAPE_8X7B, 4096, "full") == 6 * n + attention
-    assert flops_per_token(SHAPE_8X7B, 4096, "lora") == 4 * n + attention
+    assert flops_per_token(SHAPE_8X7B, 4096, "lora") == 4 * n + attention + 6 * adapters
+    assert flops_per_token(SHAPE_8X7B, 4096, "frozen") == 4 * n + attention

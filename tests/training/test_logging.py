@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from megatron_lora.training.logging import (GRAD_NORM, LOSS, LR, VALID_LOSS, TrainingLog,
-                                            WandbSettings, read_metrics, run_series,
-                                            wandb_problems)
+from megatron_lora.training.logging import (GRAD_NORM, LOSS, LR, MFU, TFLOPS, TOKENS_PER_S,
+                                            VALID_LOSS, TrainingLog, WandbSettings, read_metrics,
+                                            run_series, wandb_problems)
 from megatron_lora.training.loop import RunConfig
 
 
@@ -77,6 +77,7 @@ def test_tensorboard_tags_are_megatron_lm_names(tmp_path):
             event = Event.FromString(raw)
             for v in event.summary.value:
                 scalars[(v.tag, event.step)] = v.simple_value
+    assert scalars.pop((TOKENS_PER_S, 1)) > 0 and scalars.pop((TOKENS_PER_S, 2)) > 0
     assert scalars == {("lm loss", 1): 6.0, ("learning-rate", 1): pytest.approx(1e-3),
                        ("grad-norm", 1): 1.5, ("lm loss", 2): 7.0,
                        ("learning-rate", 2): pytest.approx(5e-4), ("grad-norm", 2): 2.5,
@@ -158,3 +159,29 @@ def test_wandb_missing_is_refused_when_the_run_is_configured(monkeypatch):
         RunConfig(micro_batch_size=1, global_batch_size=1, seq_length=8, train_iters=1,
                   wandb_project="p")
     assert wandb_problems(None, "name") == ["--wandb-exp-name needs --wandb-project"]
+
+
+def test_logged_iterations_carry_tflops_and_mfu(tmp_path, capsys, monkeypatch):
+    """Per logged line: tflops = step FLOPs x iterations since the last line / seconds / devices,
+    mfu = tflops / the device's peak; the line shows both beside tokens/s."""
+    clock = iter([100.0, 104.0, 110.0, 200.0, 201.0])  # start, the lines of 2 and 3; no_peak
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    metrics = str(tmp_path / "metrics.jsonl")
+    log = TrainingLog(True, 3, None, metrics_path=metrics, step_flops=6e12, devices=2,
+                      peak_tflops=0.5)
+    for it in (1, 2, 3):
+        log.iteration(it, loss=1.0, lr=1e-3, grad_norm=1.0, tokens=100, consumed_samples=it,
+                      global_batch_size=1, log=it >= 2)
+    records = read_metrics(metrics)
+    assert TFLOPS not in records[0] and TOKENS_PER_S not in records[0]  # not a logged line
+    # iterations 1-2 in 4 s: 2 x 6e12 / 4 / 2 devices; iteration 3 in 6 s: 6e12 / 6 / 2
+    assert records[1][TFLOPS] == pytest.approx(1.5) and records[1][MFU] == pytest.approx(3.0)
+    assert records[1][TOKENS_PER_S] == pytest.approx(50.0)
+    assert records[2][TFLOPS] == pytest.approx(0.5) and records[2][MFU] == pytest.approx(1.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "tokens/s: 50 | TFLOP/s per device: 1.5 | MFU: 300.0% |" in lines[0]
+    no_peak = TrainingLog(True, 1, None, step_flops=1e12)
+    no_peak.iteration(1, loss=1.0, lr=1e-3, grad_norm=None, tokens=1, consumed_samples=1,
+                      global_batch_size=1, log=True)
+    assert TFLOPS in no_peak.history[0] and MFU not in no_peak.history[0]
+    assert "MFU" not in capsys.readouterr().out

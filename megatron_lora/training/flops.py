@@ -43,7 +43,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_lora.lora.sizes import _features, _global_names
-from megatron_lora.models.gpt import ModelShape
+from megatron_lora.families.shape import ModelShape
 
 _EXPERT_KINDS = ("linear_fc1", "linear_fc2")
 
@@ -82,7 +82,7 @@ def shape_sizes(shape: ModelShape) -> SimpleNamespace:
     return SimpleNamespace(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.hidden_size // shape.num_attention_heads,
+        kv_channels=shape.head_dim,
         ffn_hidden_size=shape.ffn_hidden_size, moe_ffn_hidden_size=shape.ffn_hidden_size,
         num_moe_experts=shape.num_experts, gated_linear_unit=True)
 
@@ -140,8 +140,8 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
 def _prefix_flops(shape: ModelShape, lora) -> Tuple[float, float]:
     """(FLOPs per token, FLOPs per forward) of prefix tuning's keys, values and projection."""
     n, layers = lora.num_virtual_tokens, shape.num_layers
-    head_dim = shape.hidden_size // shape.num_attention_heads
-    per_token = 12 * n * shape.hidden_size * layers
+    head_dim = shape.head_dim
+    per_token = 12 * n * shape.num_attention_heads * shape.head_dim * layers
     per_forward = 0.0
     if lora.prefix_projection:
         td = shape.num_query_groups * head_dim
@@ -166,7 +166,7 @@ def lora_step_flops(shape: ModelShape, lora_config, seq_len: int, tokens: int, *
                          f"{tokens}")
     micro_batches = micro_batches if micro_batches is not None else -(-tokens // seq_len)
     n = active_linear_macs(shape)
-    attention = 6 * seq_len * shape.hidden_size * shape.num_layers
+    attention = 6 * seq_len * shape.num_attention_heads * shape.head_dim * shape.num_layers
     adapters, per_forward = 0.0, 0.0
     if lora_config is not None and lora_config.num_virtual_tokens:
         adapters, per_forward = _prefix_flops(shape, lora_config)

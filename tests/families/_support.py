@@ -1,0 +1,228 @@
+"""The checks every model family passes, shared by the per-family test modules.
+
+A family's test module makes a tiny random model with transformers (`make(directory, seed,
+**overrides)`), then calls these: `convert_and_reference` (conversion + transformers' logits),
+`logits_at_layout` (multi-rank: the converted and the HF load against transformers),
+`train_and_export` (the CLI at 1 rank and PP2xEP2, PEFT export, `logits --adapter`), and the
+`check_*` functions on its result. References are transformers' and PEFT's own models.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.testing import parity
+from tests.convert.tiny import make_tokens
+from tests.export import _support as S
+from tests.harness import multirank
+
+TOL = 1e-4
+PROMPTS = [{"prompt": "hello there how are you"}, {"prompt": "the sky is blue"}]
+NEW_TOKENS = 6
+VOCAB = 250
+
+
+def hf_model(directory: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", experts_implementation="eager",
+        dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logits(directory: str, tokens: torch.Tensor, adapter: str = None) -> torch.Tensor:
+    """transformers' eager fp32 logits [B, S, V] (with the PEFT adapter `adapter` if given)."""
+    model = hf_model(directory)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    return model(tokens).logits.float()
+
+
+def perturb_norms(model) -> None:
+    """Norm weights of 1 would hide a norm applied over the wrong axis, or not at all."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+
+
+def run(*args, nproc: int, port: int) -> subprocess.CompletedProcess:
+    """`megatron-lora ARGS` under torchrun (also for one rank: a port of its own); must succeed."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(port), "-m", "megatron_lora", *args]
+    proc = subprocess.run(cmd, cwd=S.ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def convert_and_reference(root: str, make, variants: dict) -> dict:
+    """For each variant name -> overrides: the HF folder `root/name` made by `make`; the first
+    variant converted to `root/mcore`; token ids and transformers' logits of every variant in
+    `root/reference.safetensors` (keys: the variant names, and `tokens`)."""
+    from megatron_lora.convert.hf_to_mcore import hf_to_mcore
+
+    paths = {"root": root}
+    for i, (name, overrides) in enumerate(variants.items()):
+        paths[name] = os.path.join(root, name)
+        make(paths[name], seed=i, **overrides)
+    first = next(iter(variants))
+    paths["mcore"] = os.path.join(root, "mcore")
+    hf_to_mcore(paths[first], paths["mcore"], progress=False)
+    tokens = make_tokens(batch=2, seq=12, vocab=VOCAB)
+    paths["tokens"] = S.write_tokens(os.path.join(root, "tokens.json"), tokens)
+    paths["reference"] = os.path.join(root, "reference.safetensors")
+    ref = {name: hf_logits(paths[name], tokens).contiguous() for name in variants}
+    save_file(dict(ref, tokens=tokens), paths["reference"])
+    return paths
+
+
+@multirank(world_size=lambda world_size, **_: world_size, timeout=600)
+def logits_at_layout(layout, grouped, world_size, paths, variants):
+    """At `layout` (grouped experts or not): the converted checkpoint of variants[0] and the HF
+    load of every variant give transformers' logits within TOL."""
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.models.build import build_model, model_config
+
+    ref = load_file(paths["reference"])
+
+    def logits(name, from_mcore):
+        info, hf, _ = open_hf(paths[name])
+        model = build_model(info, model_config(info, layout), moe_grouped_gemm=grouped)
+        load_mcore(model, paths["mcore"]) if from_mcore else load_hf(model, info, hf)
+        return name, forward_logits(model, ref["tokens"], info.vocab_size)
+
+    got = [logits(variants[0], True)] + [logits(name, False) for name in variants]
+    if parity.assert_held_by(got[0][1], 1, "the logits"):
+        for name, logit in got:
+            assert logit.shape == ref[name].shape
+            diff = (logit - ref[name]).abs().max().item()
+            assert diff <= TOL, f"{name} at {layout.describe()}: max abs diff {diff:.3e}"
+
+
+def text_data(path: str) -> str:
+    rnd = random.Random(0)
+    words = "hello there how are you the sky is blue fine thank colour lamp star".split()
+    with open(path, "w") as f:
+        for _ in range(16):
+            f.write(json.dumps({"text": " ".join(rnd.choice(words) for _ in range(10))}) + "\n")
+    return path
+
+
+def train_and_export(paths: dict, hf: str, targets, port: int, extra=()) -> dict:
+    """The same LoRA run (3 steps, dropout 0.1, rsLoRA) at 1 rank (`run1`) and PP2xEP2 (`run4`);
+    the PEFT export of run4 (`peft`) and `logits --adapter` of it at TP2+SP (`logits`)."""
+    from megatron_lora.export.to_peft import export_peft
+    from tests.data.tiny_tokenizers import mistral_folder
+
+    root = paths["root"]
+    out = dict(paths, hf=hf, tok=mistral_folder(os.path.join(root, "tok"), vocab_size=VOCAB))
+    data = text_data(os.path.join(root, "text.jsonl"))
+    args = ["train", "--load-hf", hf, "--tokenizer", out["tok"], "--data-path", data,
+            "--seq-length", "16", "--global-batch-size", "4", "--train-iters", "3", "--lr", "2e-2",
+            "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--lora-use-rslora",
+            "--lora-target-modules", *targets, "--seed", "3", "--log-interval", "1", *extra]
+    for name, flags, nproc in (("run1", [], 1),
+                               ("run4", ["--pipeline-model-parallel-size", "2",
+                                         "--expert-model-parallel-size", "2"], 4)):
+        out[name] = os.path.join(root, name)
+        run(*args, *flags, "--save", out[name], nproc=nproc, port=port)
+    out["peft"] = os.path.join(root, "peft")
+    export_peft(out["run4"], out["peft"], hf_config=hf)
+    out["logits"] = os.path.join(root, "logits.safetensors")
+    run("logits", "--load-hf", hf, "--adapter", out["run4"], "--tokens", paths["tokens"], "--out",
+        out["logits"], "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2,
+        port=port + 1)
+    return out
+
+
+def adapter_tensors(run_dir: str) -> dict:
+    from megatron_lora.convert.dcp_read import TorchDistCheckpoint
+    from megatron_lora.training.checkpoint import resolve
+
+    ckpt = TorchDistCheckpoint(resolve(run_dir))
+    return {k: ckpt.read(k, (0,) * len(ckpt.shape(k)), ckpt.shape(k)) for k in ckpt.tensors
+            if not k.startswith("optimizer.")}
+
+
+def check_training_parity(trained: dict) -> dict:
+    """PP2xEP2 gives the one-rank losses (rel 1e-5) and adapter; returns the adapter tensors."""
+    from megatron_lora.training.logging import read_metrics
+
+    losses = [[r["lm loss"] for r in read_metrics(os.path.join(trained[name], "metrics.jsonl"))
+               if "lm loss" in r] for name in ("run1", "run4")]
+    assert len(losses[0]) == 3 and losses[0][-1] < losses[0][0], losses
+    assert losses[1] == __import__("pytest").approx(losses[0], rel=1e-5)
+    one, four = adapter_tensors(trained["run1"]), adapter_tensors(trained["run4"])
+    assert sorted(one) == sorted(four)
+    for key in one:  # Adam's steps are 2e-2 each: 1e-5 is 5e-4 of one step
+        torch.testing.assert_close(four[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
+    return one
+
+
+def check_peft_logits(trained: dict) -> dict:
+    """transformers + PEFT with the export give `logits --adapter`'s logits; returns the config."""
+    config = json.load(open(os.path.join(trained["peft"], "adapter_config.json")))
+    tokens = torch.tensor(json.load(open(trained["tokens"])))
+    ours = load_file(trained["logits"])["logits"]
+    base = hf_logits(trained["hf"], tokens)
+    assert (ours - base).abs().max().item() > 100 * TOL  # the adapter changes the logits
+    diff = (ours - hf_logits(trained["hf"], tokens, adapter=trained["peft"])).abs().max().item()
+    assert diff <= TOL, f"max abs diff {diff:.3e} vs transformers + PEFT"
+    return config
+
+
+def check_import_is_bit_identical(trained: dict, out: str) -> None:
+    """import peft of the export gives back run4's adapter bit for bit (the real vocabulary rows:
+    padded rows are not exported)."""
+    from megatron_lora.export.from_peft import import_peft
+
+    import_peft(trained["peft"], out, hf_config=trained["hf"])
+    original, back = adapter_tensors(trained["run4"]), adapter_tensors(out)
+    assert sorted(original) == sorted(back)
+    real = {"embedding.word_embeddings.lora_A": (slice(None), slice(0, VOCAB)),  # [r, Vp]
+            "output_layer.lora_B": (slice(0, VOCAB),)}  # [Vp, r]
+    for key in original:
+        a, b = (t[real.get(key, ())].contiguous() for t in (original[key], back[key]))
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+
+
+@torch.no_grad()
+def _peft_greedy(trained: dict):
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(trained["tok"])
+    model = PeftModel.from_pretrained(hf_model(trained["hf"]), trained["peft"]).eval()
+    out = []
+    for p in PROMPTS:
+        ids, new = tok(p["prompt"]).input_ids, []
+        for _ in range(NEW_TOKENS):
+            new.append(int(model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+            if new[-1] == tok.eos_token_id:
+                break
+        out.append(new)
+    return out
+
+
+def check_generate(trained: dict, tmp: str, port: int) -> None:
+    """Greedy `generate --adapter` at TP2+SP gives the tokens of a greedy loop over transformers
+    + PEFT forwards."""
+    prompts, out = os.path.join(tmp, "prompts.jsonl"), os.path.join(tmp, "out.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in PROMPTS)
+    run("generate", "--load-hf", trained["hf"], "--adapter", trained["run4"], "--tokenizer",
+        trained["tok"], "--prompts", prompts, "--out", out, "--max-new-tokens", str(NEW_TOKENS),
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2, port=port)
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["token_ids"] for r in rows] == _peft_greedy(trained)

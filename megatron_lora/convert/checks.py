@@ -58,6 +58,15 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         _MLP + "experts.experts.linear_fc2.weight": (layers, experts, hid, ffn),
         "decoder.final_layernorm.weight": (hid,),
     }
+    if s.add_qkv_bias:
+        out[_ATTN + "linear_qkv.bias"] = (layers, ((n + 2 * g) * d, f"{heads}, head_dim={d}"))
+    fs = s.shared_expert_ffn_hidden_size
+    if fs:
+        shared = (fs, f"shared_expert_intermediate_size={fs}")
+        out[_MLP + "shared_experts.linear_fc1.weight"] = (layers, (2 * fs, shared[1]), hid)
+        out[_MLP + "shared_experts.linear_fc2.weight"] = (layers, hid, shared)
+        if s.shared_expert_gate:
+            out[_MLP + "shared_experts.gate_weight"] = (layers, (1, "the shared expert gate"), hid)
     if not s.tie_embeddings:
         out["output_layer.weight"] = (vocab, hid)
     return out
@@ -114,8 +123,11 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
     h, f, E = s.hidden_size, s.ffn_hidden_size, s.num_experts or 0
     n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
     tp, etp = layout.tp, layout.expert_tp
+    fs = s.shared_expert_ffn_hidden_size or 0
     per_layer = (2 * h + 2 * d * s.qk_layernorm + _ceil((n + 2 * g) * d * h + h * n * d, tp)
-                 + E * h + _ceil(E, layout.ep) * _ceil(3 * f * h, etp))
+                 + _ceil((n + 2 * g) * d * s.add_qkv_bias, tp) + E * h
+                 + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
+                 + _ceil(3 * fs * h, tp) + h * s.shared_expert_gate)
     layers = _ceil(s.num_layers, layout.pp) * per_layer
     vocab = _ceil(s.vocab_size, tp) * h
     # Tied embeddings on more than one stage: the last stage holds its own copy of the output.

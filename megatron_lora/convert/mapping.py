@@ -121,6 +121,28 @@ class QKV:
         }
 
 
+class QKVBias(QKV):
+    """megatron's fused QKV bias [(n+2g)*d] from HF q [n*d], k, v [g*d] biases, rows grouped by
+    query group as the weight's are (QKV)."""
+
+    def __init__(self, q: str, k: str, v: str, heads: int, groups: int, head_dim: int):
+        super().__init__(q, k, v, heads, groups, head_dim, hidden=1)
+        self.shape = (groups * self.block,)
+
+    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {name: shape[:1] for name, shape in super().hf_shapes().items()}
+
+    def read(self, reader, index: Slices) -> torch.Tensor:
+        rows, = index
+        pieces = [reader.read(name, (slice(a, a + n),)) for name, a, n in
+                  self._segments(rows.start, rows.stop)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+    def split(self, data: torch.Tensor) -> Dict[str, torch.Tensor]:
+        parts = super().split(data.reshape(-1, 1))
+        return {name: t.reshape(-1) for name, t in parts.items()}
+
+
 @dataclass(frozen=True)
 class Chunk:
     """A box of a megatron tensor: offsets/sizes over the full (stacked) shape; sizes are
@@ -162,11 +184,16 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
     dtype = dtype or info.dtype
     L, E, h, f, d = s.num_layers, s.num_experts, s.hidden_size, s.ffn_hidden_size, info.head_dim
     n, g = s.num_attention_heads, s.num_query_groups
+    fs = s.shared_expert_ffn_hidden_size
     out = [_vocab_tensor("embedding.word_embeddings.weight", info.family.names.embedding, info, dtype)]
     per_layer: Dict[str, List[Chunk]] = {}
 
     def layer(key: str, l: int, source) -> None:
         per_layer.setdefault(key, []).append(Chunk((l,) + (0,) * len(source.shape), (1,) + source.shape, source))
+
+    def rows(key: str, l: int, row: int, source) -> None:
+        offsets = (l, row) + (0,) * (len(source.shape) - 1)
+        per_layer.setdefault(key, []).append(Chunk(offsets, (1,) + source.shape, source))
 
     def expert(key: str, l: int, e: int, row: int, source) -> None:
         offsets = (l, e, row) + (0,) * (len(source.shape) - 1)
@@ -178,6 +205,9 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
         p = names.layer.format(l=l)
         layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + names.input_norm, (h,)))
         layer(attn + "linear_qkv.weight", l, QKV(p + names.q, p + names.k, p + names.v, n, g, d, h))
+        if s.add_qkv_bias:
+            bias = [p + w[: -len("weight")] + "bias" for w in (names.q, names.k, names.v)]
+            layer(attn + "linear_qkv.bias", l, QKVBias(*bias, n, g, d))
         if s.qk_layernorm:
             layer(attn + "q_layernorm.weight", l, Direct(p + names.q_norm, (d,)))
             layer(attn + "k_layernorm.weight", l, Direct(p + names.k_norm, (d,)))
@@ -189,9 +219,17 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
             expert(mlp + "experts.experts.linear_fc1.weight", l, e, 0, Direct(x + names.expert_gate, (f, h)))
             expert(mlp + "experts.experts.linear_fc1.weight", l, e, f, Direct(x + names.expert_up, (f, h)))
             expert(mlp + "experts.experts.linear_fc2.weight", l, e, 0, Direct(x + names.expert_down, (h, f)))
+        if fs:
+            x = p + names.shared_expert
+            rows(mlp + "shared_experts.linear_fc1.weight", l, 0, Direct(x + names.expert_gate, (fs, h)))
+            rows(mlp + "shared_experts.linear_fc1.weight", l, fs, Direct(x + names.expert_up, (fs, h)))
+            layer(mlp + "shared_experts.linear_fc2.weight", l, Direct(x + names.expert_down, (h, fs)))
+            if s.shared_expert_gate:
+                layer(mlp + "shared_experts.gate_weight", l, Direct(p + names.shared_expert_gate, (1, h)))
     shapes = {
         attn + "linear_qkv.layer_norm_weight": (L, h),
         attn + "linear_qkv.weight": (L, (n + 2 * g) * d, h),
+        attn + "linear_qkv.bias": (L, (n + 2 * g) * d),
         attn + "q_layernorm.weight": (L, d),
         attn + "k_layernorm.weight": (L, d),
         attn + "linear_proj.weight": (L, h, n * d),
@@ -200,6 +238,10 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
         mlp + "experts.experts.linear_fc1.weight": (L, E, 2 * f, h),
         mlp + "experts.experts.linear_fc2.weight": (L, E, h, f),
     }
+    if fs:
+        shapes.update({mlp + "shared_experts.linear_fc1.weight": (L, 2 * fs, h),
+                       mlp + "shared_experts.linear_fc2.weight": (L, h, fs),
+                       mlp + "shared_experts.gate_weight": (L, 1, h)})
     out += [McoreTensor(k, shapes[k], tuple(c)) for k, c in per_layer.items()]
     out.append(McoreTensor("decoder.final_layernorm.weight", (h,), (Chunk((0,), (h,), Direct(info.family.names.final_norm, (h,))),)))
     if not s.tie_embeddings:
@@ -218,6 +260,10 @@ def extra_states(info: ModelInfo) -> List[ExtraState]:
             for name in ("linear_fc1", "linear_fc2"):
                 out.append(ExtraState(
                     f"decoder.layers.mlp.experts.experts.{name}._extra_state/shard_{l}.{e}_{L}.{E}"))
+        if info.shape.shared_expert_ffn_hidden_size:
+            for name in ("linear_fc1", "linear_fc2"):
+                out.append(ExtraState(
+                    f"decoder.layers.mlp.shared_experts.{name}._extra_state/shard_{l}_{L}"))
     return out
 
 

@@ -39,6 +39,8 @@ class HFNames:
     o: str = "self_attn.o_proj.weight"
     q_norm: str = "self_attn.q_norm.weight"  # per-head norms, read when shape.qk_layernorm
     k_norm: str = "self_attn.k_norm.weight"
+    shared_expert: str = "mlp.shared_expert."  # with expert_gate / _up / _down (shared experts)
+    shared_expert_gate: str = "mlp.shared_expert_gate.weight"
     post_attention_norm: str = "post_attention_layernorm.weight"
     final_norm: str = "model.norm.weight"
     output: str = "lm_head.weight"

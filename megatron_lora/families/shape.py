@@ -28,6 +28,10 @@ class ModelShape:
     qk_layernorm: an RMSNorm over each query and key head ([d] weights) before RoPE.
     moe_router_pre_softmax: the routing weights are the softmax over all experts taken at the
     top-k (not renormalised: HF `norm_topk_prob: false`); False renormalises over the top-k.
+    add_qkv_bias: biases on q, k and v (not on the output projection).
+    shared_expert_ffn_hidden_size: a shared expert beside the routed ones (every token, SwiGLU of
+    this size; megatron's moe_shared_expert_intermediate_size); None: none.
+    shared_expert_gate: the shared expert's output scaled by sigmoid(x . gate) ([1, h] weight).
     """
 
     vocab_size: int
@@ -45,6 +49,9 @@ class ModelShape:
     kv_channels: Optional[int] = None
     qk_layernorm: bool = False
     moe_router_pre_softmax: bool = False
+    add_qkv_bias: bool = False
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    shared_expert_gate: bool = False
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",

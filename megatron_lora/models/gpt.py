@@ -70,6 +70,11 @@ def transformer_config(
             moe_router_dtype="fp32",
             moe_router_pre_softmax=shape.moe_router_pre_softmax,
         )
+        if shape.shared_expert_ffn_hidden_size:
+            kwargs.update(moe_shared_expert_intermediate_size=shape.shared_expert_ffn_hidden_size,
+                          moe_shared_expert_gate=shape.shared_expert_gate)
+    if shape.add_qkv_bias:
+        kwargs["add_qkv_bias"] = True
     if shape.qk_layernorm:
         kwargs["qk_layernorm"] = True
     kwargs.update(overrides)

@@ -16,6 +16,7 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing import parity
 from tests.convert.tiny import make_tokens
 from tests.export import _support as S
@@ -226,3 +227,46 @@ def check_generate(trained: dict, tmp: str, port: int) -> None:
         "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2, port=port)
     rows = [json.loads(line) for line in open(out)]
     assert [r["token_ids"] for r in rows] == _peft_greedy(trained)
+
+
+@multirank(world_size=2, timeout=600)
+def structure_matches_megatron(paths, name, layout):
+    """At `layout` (2 ranks) the model megatron builds for `name` has exactly the tensors of the
+    conversion mapping (keys, global shapes, extra states), the shapes checks.expected_shapes
+    gives, and the largest rank allocates the bytes the memory estimate says."""
+    import math
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    from megatron_lora.convert.checks import expected_shapes, parameter_bytes_per_rank
+    from megatron_lora.convert.mapping import extra_states, mcore_tensors
+    from megatron_lora.families import read_hf_config
+    from megatron_lora.models.build import build_model, model_config
+
+    info = read_hf_config(paths[name])
+    model = build_model(info, model_config(info, layout), use_te=False)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    sharded, _, _ = load_preprocess(model.sharded_state_dict(metadata={"dp_cp_group": group}))
+    tensors, objects = {}, set()
+    for v in nested_values(sharded):
+        if isinstance(v, ShardedTensor):
+            tensors.setdefault(v.key, set()).add(tuple(v.global_shape))
+        else:
+            objects.add(v.unique_key)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (tensors, objects))  # a stage holds only its own tensors
+    tensors = {k: s for t, _ in gathered for k, s in t.items()}
+    objects = {o for _, objs in gathered for o in objs}
+    mapped = {t.key: {t.shape} for t in mcore_tensors(info)}
+    assert tensors == mapped
+    assert objects == {o.unique_key for o in extra_states(info)}
+    assert {k: {tuple(n for n, _ in dims)} for k, dims in expected_shapes(info).items()} == mapped
+    mine = torch.tensor(sum(p.numel() * p.element_size() for p in model.parameters()))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    assert parameter_bytes_per_rank(info, layout, torch.float32) == int(mine)
+    total = sum(math.prod(t.shape) for t in mcore_tensors(info))
+    assert parameter_bytes_per_rank(info, ParallelLayout(), torch.float32) == 4 * total

@@ -93,6 +93,12 @@ def test_round_trip_is_bit_identical(qwen3, tmp_path):
     assert json.load(open(os.path.join(out, "config.json")))["head_dim"] == 24
 
 
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True), ParallelLayout(pp=2)],
+                         ids=["TP2+SP", "PP2"])
+def test_megatron_builds_the_tensors_of_the_mapping(layout, qwen3):
+    F.structure_matches_megatron(paths=qwen3, name="hf", layout=layout)
+
+
 @pytest.mark.parametrize("layout,grouped,world_size", [
     pytest.param(ParallelLayout(), False, 1, id="1rank"),
     pytest.param(ParallelLayout(pp=2, ep=2), False, 4, id="PP2xEP2"),

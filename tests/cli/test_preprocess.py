@@ -113,3 +113,40 @@ def test_train_reads_a_prefix_and_a_blend(capsys, tiny, tmp_path):
     os.unlink(prefix + ".idx")  # what a killed preprocess leaves: no prefix
     with pytest.raises(TrainSetupError, match="neither a JSONL file nor an indexed dataset"):
         _setup(tiny, prefix)
+
+
+@pytest.fixture
+def single_rank_env(monkeypatch):
+    """A plain one-process run's environment, restored after the test (`train` sets the
+    torchrun variables it finds missing)."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", str(29900 + os.getpid() % 90))):
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.parametrize("flag", ["--data-path", "--valid-data-path"])
+def test_train_refuses_a_damaged_prefix_in_one_line(capsys, tiny, tmp_path, single_rank_env,
+                                                    flag):
+    """A decreasing document index in P.idx: exit 2, one line naming the flag and the file,
+    before any process group (megatron-core's reader would train on it, or fail with a bare
+    AssertionError when the last boundary is off)."""
+    import struct
+
+    jsonl = os.path.join(tiny, "data.jsonl")
+    prefix = str(tmp_path / "tiny")
+    assert _run(capsys, "--input", jsonl, "--tokenizer", "byte", "--output-prefix", prefix)[0] == 0
+    with open(prefix + ".idx", "r+b") as f:
+        n = struct.unpack("<Q", f.read(26)[18:26])[0]
+        f.seek(34 + 12 * n + 16)  # document boundary 2 (of 0, 1, 2, ...) becomes 0
+        f.write(struct.pack("<q", 0))
+    data = [jsonl, "--valid-data-path", prefix] if flag == "--valid-data-path" else [prefix]
+    code = main(["train", "--load-hf", os.path.join(tiny, "hf"), "--data-path", *data,
+                 "--tokenizer", "byte", "--seq-length", "32", "--global-batch-size", "4",
+                 "--train-iters", "1", "--save", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        f"megatron-lora train: error: {flag} {prefix}: {prefix}.idx has decreasing document "
+        f"boundaries (boundary 2 is 0, after 1); write the dataset again (megatron-lora "
+        f"preprocess)\n"), err
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()

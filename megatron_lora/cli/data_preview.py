@@ -131,7 +131,7 @@ def _run(args) -> int:
                 truncated += kept is not sample
             elif not args.count_all:
                 break
-    except DataError as exc:
+    except (DataError, ChatTemplateError) as exc:  # a template's limit: ChatTemplateError
         return fail(str(exc))
     print()
     print(f"shown: {shown} samples, {tokens} tokens, {trained} trained, {truncated} truncated "

@@ -41,12 +41,18 @@ class ChatTemplateError(ValueError):
     """A chat template that cannot be read, compiled or rendered; the message says where."""
 
 
+class ChatTemplateLimitError(ChatTemplateError):
+    """A rendering that reached a limit of data/chat_limits.py (time, size, recursion): the
+    template is at fault whatever the conversation, so callers stop instead of skipping it."""
+
+
 def _environment():
     import jinja2
     import jinja2.ext
     import jinja2.nodes
     import jinja2.utils
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from megatron_lora.data.chat_limits import BoundedSandbox
 
     class GenerationBlocks(jinja2.ext.Extension):
         """`{% generation %}body{% endgeneration %}`: writes body and, while a recorder is set
@@ -104,10 +110,10 @@ def _environment():
             refuse_underscore(name)
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
-    env = ImmutableSandboxedEnvironment(
+    env = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[GenerationBlocks, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = env.guarded_filter("tojson", tojson)
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now,
                        dict=DictConstructor(), namespace=Namespace)
     return env
@@ -151,24 +157,33 @@ class ChatTemplate:
 
         self.source, self.origin = source, origin
         self.special_tokens = dict(special_tokens)
+        from megatron_lora.data.chat_limits import compile_bounded
+
         self._env = _environment()
         try:
-            self._template = self._env.from_string(source)
-        except jinja2.exceptions.TemplateError as exc:
-            raise ChatTemplateError(f"{origin}: the chat template does not compile: {exc}") \
-                from None
+            self._template = compile_bounded(self._env, source)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"{origin}: the chat template does not compile: "
+                                    f"{exc.message} (line {exc.lineno})") from None
+        except Exception as exc:  # noqa: BLE001 - the source is untrusted: deep nesting, ...
+            raise ChatTemplateError(f"{origin}: the chat template does not compile: "
+                                    f"{_one_line(exc)}") from None
         self.has_generation_blocks = "generation" in _block_tags(self._env, source)
 
     def _run(self, messages: List[dict], add_generation_prompt: bool) -> _Recorder:
+        from megatron_lora.data.chat_limits import RenderBudget
+
         recorder = _Recorder()
-        self._env.generation_recorder = recorder
+        budget = RenderBudget()
+        self._env.generation_recorder, self._env.render_budget = recorder, budget
         try:
             for piece in self._template.generate(
                     messages=_messages_for_template(messages), tools=None, documents=None,
                     add_generation_prompt=add_generation_prompt, **self.special_tokens):
+                budget.wrote(piece)
                 recorder.pieces.append(piece)
         finally:
-            self._env.generation_recorder = None
+            self._env.generation_recorder = self._env.render_budget = None
         return recorder
 
     def render(self, messages: List[dict], add_generation_prompt: bool = False) -> str:
@@ -178,13 +193,29 @@ class ChatTemplate:
         return "".join(self._checked_run(messages, add_generation_prompt).pieces)
 
     def _checked_run(self, messages, add_generation_prompt) -> _Recorder:
+        """_run, every failure a ChatTemplateError naming the template: a limit reached
+        (chat_limits.py; a recursion without end; memory) a ChatTemplateLimitError, anything
+        else (raise_exception, the sandbox, a TypeError on the data...) a refusal."""
         import jinja2
+
+        from megatron_lora.data.chat_limits import RenderLimitExceeded
 
         try:
             return self._run(messages, add_generation_prompt)
+        except RenderLimitExceeded as exc:
+            problem = str(exc)
+        except RecursionError:
+            problem = "it recursed too deeply (a macro or recursive loop calling itself)"
+        except MemoryError:
+            problem = "it ran out of memory"
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template of {self.origin} refused the "
-                                    f"conversation: {exc}") from None
+                                    f"conversation: {_one_line(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - the template is untrusted code
+            raise ChatTemplateError(f"the chat template of {self.origin} refused the "
+                                    f"conversation: {_one_line(exc)}") from None
+        raise ChatTemplateLimitError(f"the chat template of {self.origin} cannot be used: "
+                                     f"{problem}")
 
     def assistant_spans(self, messages: List[dict]) -> Tuple[str, List[Span]]:
         """(rendered text, [start, end) character spans of the assistant turns to train on).
@@ -223,6 +254,15 @@ class ChatTemplate:
             if messages:
                 raise
             return ""
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line, with its type when that says more than the text."""
+    import jinja2
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, jinja2.exceptions.TemplateError) else \
+        f"{type(exc).__name__}: {text}"
 
 
 def _block_tags(env, source: str) -> set:

@@ -21,17 +21,17 @@ preprocessed prefix give the same batches at every consumed-samples position.
 
 from __future__ import annotations
 
-import json
 import os
 from array import array
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from megatron_lora.data.batches import Batch, PackedDataset
 from megatron_lora.data.jsonl import DataError
+from megatron_lora.data.indexed_check import MASK_CODES, check_index, read_meta
 from megatron_lora.data.indexed_writer import INDEX_HEADER_BYTES as _IDX_HEADER
 from megatron_lora.data.packing import inputs_labels_mask
 
@@ -41,15 +41,17 @@ _CHUNK_TOKENS = 1 << 18  # loss-mask bytes scanned at a time when planning
 
 
 def is_prefix(path: str) -> bool:
-    """Whether `path` names an indexed dataset: `path.bin` and `path.idx` both exist."""
-    return os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx")
+    """Whether `path` names an indexed dataset: `path.bin` and `path.idx` both exist (of any
+    kind: IndexedSamples refuses those that are not regular files, naming them)."""
+    return os.path.exists(path + ".bin") and os.path.exists(path + ".idx")
 
 
 class IndexedSamples:
     """The samples of one prefix: `tokens(i, count)`, `targets(i, count)` (numpy, the first
     `count` values, all by default), `lengths` (int32 [N], a view of megatron-core's map of
-    `P.idx`). Opened with megatron-core's `IndexedDataset` (which checks the files); values are
-    read by file offset (`_Sequences`), so the pages read are not held in this process."""
+    `P.idx`). The indexes are checked whole first (data/indexed_check.py), then opened with
+    megatron-core's `IndexedDataset`; values are read by file offset (`_Sequences`), so the
+    pages read are not held in this process."""
 
     def __init__(self, prefix: str, tokenizer=None, flag: str = "--data-path"):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -58,12 +60,20 @@ class IndexedSamples:
             raise DataError(f"{flag} {prefix}: not an indexed dataset ({prefix}.bin and "
                             f"{prefix}.idx must both exist)")
         self.prefix = prefix
-        meta = _read_meta(prefix, flag)
+        meta = read_meta(prefix, flag, PREPROCESS_FORMAT)
+        where = f"{flag} {prefix}"
+        info = check_index(prefix, where)
+        targets = prefix + TARGETS_SUFFIX
+        if is_prefix(targets):
+            masks = check_index(targets, where, MASK_CODES, "loss masks")
+            if masks.sequences != info.sequences:
+                raise DataError(f"{where}: {targets}.idx has {masks.sequences} sequences, "
+                                f"{prefix}.idx {info.sequences}; run `megatron-lora "
+                                f"preprocess` again")
         self.tokens_ds = IndexedDataset(prefix, mmap=True)
         self.lengths = self.tokens_ds.sequence_lengths  # int32 [N], a view of the .idx map
         self.itemsize = np.dtype(self.tokens_ds.index.dtype).itemsize
         self._files = {"tokens": _Sequences(prefix, len(self), self.itemsize)}
-        targets = prefix + TARGETS_SUFFIX
         self.targets_ds = None
         if is_prefix(targets):
             self.targets_ds = IndexedDataset(targets, mmap=True)
@@ -92,7 +102,10 @@ class IndexedSamples:
                                 f"{meta.get('tokenizer')!r}, not the --tokenizer of this run "
                                 f"({'; '.join(differ)})")
         if tokenizer is not None:
-            largest = self.max_token()
+            smallest, largest = self.token_range()
+            if smallest < 0:
+                raise DataError(f"{flag} {prefix}: {prefix}.bin holds the negative token id "
+                                f"{smallest}; write the dataset again")
             if largest >= tokenizer.vocab_size:
                 raise DataError(f"{flag} {prefix}: {prefix}.bin holds token id {largest}, "
                                 f"outside the --tokenizer's {tokenizer.vocab_size} ids; give "
@@ -118,18 +131,25 @@ class IndexedSamples:
         return self._files["targets"].read(int(i), n, np.uint8)
 
     def max_token(self) -> int:
-        """The largest token id in `P.bin`, read in chunks of about _CHUNK_TOKENS ids (not
-        through the memory map, whose pages would stay resident): the ids come from a file, and
-        one outside the vocabulary would fail inside the embedding of some ranks only."""
+        """The largest token id in `P.bin` (token_range)."""
+        return self.token_range()[1]
+
+    def token_range(self) -> Tuple[int, int]:
+        """(smallest, largest) token id in `P.bin` ((0, -1) when empty), read in chunks of
+        about _CHUNK_TOKENS ids (not through the memory map, whose pages would stay resident):
+        the ids come from a file, and one outside the vocabulary (a negative one from a signed
+        dtype included) would fail inside the embedding of some ranks only."""
         dtype = np.dtype(self.tokens_ds.index.dtype)
-        step, largest = _CHUNK_TOKENS * dtype.itemsize, -1
+        step, smallest, largest = _CHUNK_TOKENS * dtype.itemsize, 0, -1
         with open(self.prefix + ".bin", "rb") as f:
             while True:
                 data = f.read(step)
                 if not data:
-                    return largest
-                largest = max(largest, int(np.frombuffer(
-                    data[:len(data) - len(data) % dtype.itemsize], dtype=dtype).max(initial=0)))
+                    return smallest, largest
+                ids = np.frombuffer(data[:len(data) - len(data) % dtype.itemsize], dtype=dtype)
+                if ids.size:
+                    smallest = min(smallest, int(ids.min()))
+                    largest = max(largest, int(ids.max()))
 
     def first_targets(self) -> np.ndarray:
         """For each sample, the first position >= 1 whose token is a target (its length if
@@ -171,20 +191,6 @@ class IndexedSamples:
                 first[full] = np.where(found < none, found - starts, lengths[full])
             yield a, b, first
             a = b
-
-
-def _read_meta(prefix: str, flag: str) -> Optional[dict]:
-    path = prefix + ".json"
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{flag} {prefix}: cannot read {path} ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != PREPROCESS_FORMAT:
-        return None  # someone else's P.json: a plain Megatron-LM prefix
-    return meta
 
 
 class _Sequences:

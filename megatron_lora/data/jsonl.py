@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, List, Tuple
 
-from megatron_lora.jsonfile import decode_utf8, loads, os_reason, short
+from megatron_lora.jsonfile import decode_utf8, loads, short
 
 
 class DataError(ValueError):
@@ -49,13 +49,21 @@ def _pieces(tok, pieces: List[Tuple[str, bool]]) -> Sample:
 
 
 def _templated(tok, messages, where: str) -> Sample:
-    """`messages` through the tokenizer's chat template: loss on the assistant spans."""
-    from megatron_lora.data.chat import ChatTemplateError, trained_mask
+    """`messages` through the tokenizer's chat template: loss on the assistant spans. A refusal
+    is a DataError (a bad line); a limit reached (ChatTemplateLimitError, data/chat_limits.py)
+    stays one, naming the line too: the template is at fault, not the line."""
+    from megatron_lora.data.chat import ChatTemplateError, ChatTemplateLimitError, trained_mask
 
+    template = tok.chat_template
     try:
-        text, spans = tok.chat_template.assistant_spans(messages)
+        text, spans = template.assistant_spans(messages)
+    except ChatTemplateLimitError as exc:
+        raise ChatTemplateLimitError(f"{where}: {exc}") from None
     except ChatTemplateError as exc:
         raise DataError(f"{where}: {exc}") from None
+    if not text.strip():
+        raise DataError(f"{where}: the chat template of {template.origin} rendered only "
+                        f"whitespace for this conversation, no tokens to train on")
     ids, offsets = tok.encode_with_offsets(text)
     return Sample(ids, trained_mask(offsets, spans))
 
@@ -106,13 +114,12 @@ def parse_record(tok, record, where: str) -> Sample:
 def iter_samples(path: str, tokenizer) -> Iterator[Tuple[str, Sample]]:
     """("file:line", sample) for each non-blank line of `path`, untruncated, in order.
 
-    Raises DataError naming file:line for a malformed line.
+    Raises DataError naming file:line for a malformed line, or the file when it is not a
+    regular file (a FIFO or device would block or read forever: data/files.py).
     """
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read: {os_reason(exc)}") from None
-    with f:
+    from megatron_lora.data.files import open_regular
+
+    with open_regular(path, DataError) as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             line = decode_utf8(raw, where, DataError)

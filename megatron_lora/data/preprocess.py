@@ -41,7 +41,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_lora.data.jsonl import DataError, parse_record
-from megatron_lora.jsonfile import decode_utf8, loads, os_reason
+from megatron_lora.jsonfile import decode_utf8, loads
 
 FORMAT = "megatron-lora indexed samples"
 FORMAT_VERSION = 1
@@ -79,13 +79,11 @@ def prefix_files(prefix: str) -> List[str]:
 
 def _chunks(paths: Sequence[str], chunk_lines: int, stats: PreprocessStats) -> Iterator[Chunk]:
     """Non-blank lines of `paths`, in order, `chunk_lines` at a time (bytes counted as read)."""
+    from megatron_lora.data.files import open_regular
+
     chunk: Chunk = []
     for path in paths:
-        try:
-            f = open(path, "rb")
-        except OSError as exc:
-            raise PreprocessError(f"--input {path}: cannot read: {os_reason(exc)}") from None
-        with f:
+        with open_regular(path, PreprocessError, f"--input {path}") as f:
             for lineno, raw in enumerate(f, 1):
                 stats.bytes_read += len(raw)
                 if not raw.strip():
@@ -220,8 +218,10 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
                _before_rename: Optional[Callable[[], None]] = None) -> PreprocessStats:
     """Write the samples of the JSONL files `inputs` (in order) at `prefix` (module docstring).
 
-    Raises PreprocessError: a bad line ("file:line: reason") unless skip_bad_lines, an existing
-    prefix without overwrite, no samples at all. `_before_rename` (tests) runs after the data is
+    Raises PreprocessError: a bad line ("file:line: reason") unless skip_bad_lines, an input
+    that is not a regular file, an existing prefix without overwrite, a chat template that does
+    not compile or reaches a rendering limit (data/chat_limits.py: every line would meet it, so
+    it is not skipped), no samples at all, or samples without a token to train on. `_before_rename` (tests) runs after the data is
     written and before anything is renamed into place.
     """
     from megatron_lora.data.indexed_writer import IndexedWriter, token_dtype
@@ -232,14 +232,23 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
     if chunk_lines < 1:
         raise PreprocessError(f"--chunk-lines must be at least 1, got {chunk_lines}")
     check_prefix_free(prefix, overwrite)
+    from megatron_lora.data.chat import ChatTemplateError
+    from megatron_lora.data.files import regular_file_problem
+
     outputs = {os.path.realpath(p) for p in prefix_files(prefix)}
     for path in inputs:
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise PreprocessError(f"--input {path}: no such file")
+        problem = regular_file_problem(path)  # a FIFO or device would block or never end
+        if problem is not None:
+            raise PreprocessError(f"--input {path}: cannot read: {problem}")
         if os.path.realpath(path) in outputs:  # even with --overwrite: an input is never replaced
             raise PreprocessError(f"--input {path} is one of the files of --output-prefix "
                                   f"{prefix}; choose another prefix")
-    tokenizer = load_tokenizer(tokenizer_spec)
+    try:
+        tokenizer = load_tokenizer(tokenizer_spec)
+    except ChatTemplateError as exc:
+        raise PreprocessError(f"--tokenizer {tokenizer_spec}: {exc}") from None
     remove_stale_partials(prefix)
     stats = PreprocessStats()
     progress = _Progress(sum(os.path.getsize(p) for p in inputs), progress_interval,
@@ -263,8 +272,10 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
             progress.maybe(stats)
         if stats.samples == 0:
             raise PreprocessError(f"--input {' '.join(inputs)}: no samples"
-                                  + (f" ({len(stats.skipped)} bad lines skipped)"
-                                     if stats.skipped else ""))
+                                  + (f" ({len(stats.skipped)} bad lines skipped, the first: "
+                                     f"{stats.skipped[0]})" if stats.skipped else ""))
+        if stats.trained_tokens == 0:
+            raise PreprocessError(_nothing_to_train(inputs, tokenizer, stats))
         tokens_out.finalize(temp[".idx"])
         targets_out.finalize(temp[TARGETS_SUFFIX + ".idx"])
         stats.seconds = time.monotonic() - progress.start
@@ -280,15 +291,27 @@ def preprocess(inputs: Sequence[str], tokenizer_spec: str, prefix: str, workers:
             os.unlink(prefix + ".idx")
         for suffix in SUFFIXES:
             os.replace(temp[suffix], prefix + suffix)
-    except BaseException:
+    except BaseException as exc:
         for writer in (tokens_out, targets_out):
             if writer is not None:
                 writer.close()
         for path in temp.values():
             if os.path.lexists(path):
                 os.unlink(path)
+        if isinstance(exc, ChatTemplateError):  # a limit reached (data/chat_limits.py)
+            raise PreprocessError(str(exc)) from None
         raise
     return stats
+
+
+def _nothing_to_train(inputs: Sequence[str], tokenizer, stats: PreprocessStats) -> str:
+    """Why a run whose samples have no token to train on is refused (train would find no
+    usable sample in the prefix)."""
+    template = getattr(tokenizer, "chat_template", None)
+    why = (f"; the chat template of {template.origin} marks no assistant text in any of them"
+           if template is not None else "")
+    return (f"--input {' '.join(inputs)}: no sample produced a token to train on "
+            f"({stats.samples} samples, {stats.tokens} tokens){why}")
 
 
 __all__ = ["FORMAT", "PreprocessError", "PreprocessStats", "TARGETS_SUFFIX", "check_prefix_free",

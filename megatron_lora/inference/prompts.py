@@ -23,6 +23,11 @@ class PromptError(ValueError):
 
 def read_prompts(path: str) -> List[dict]:
     """The records of a prompts JSONL file (blank lines skipped), each checked for its form."""
+    from megatron_lora.data.files import regular_file_problem
+
+    problem = regular_file_problem(path)  # a FIFO or device would block or never end
+    if problem is not None:
+        raise PromptError(f"{path}: cannot read the prompts file ({problem})")
     try:
         with open(path, "rb") as f:
             raw = f.read()

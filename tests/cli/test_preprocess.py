@@ -113,3 +113,101 @@ def test_train_reads_a_prefix_and_a_blend(capsys, tiny, tmp_path):
     os.unlink(prefix + ".idx")  # what a killed preprocess leaves: no prefix
     with pytest.raises(TrainSetupError, match="neither a JSONL file nor an indexed dataset"):
         _setup(tiny, prefix)
+
+
+@pytest.fixture
+def single_rank_env(monkeypatch):
+    """A plain one-process run's environment, restored after the test (`train` sets the
+    torchrun variables it finds missing)."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", str(29900 + os.getpid() % 90))):
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.parametrize("flag", ["--data-path", "--valid-data-path"])
+def test_train_refuses_a_damaged_prefix_in_one_line(capsys, tiny, tmp_path, single_rank_env,
+                                                    flag):
+    """A decreasing document index in P.idx: exit 2, one line naming the flag and the file,
+    before any process group (megatron-core's reader would train on it, or fail with a bare
+    AssertionError when the last boundary is off)."""
+    import struct
+
+    jsonl = os.path.join(tiny, "data.jsonl")
+    prefix = str(tmp_path / "tiny")
+    assert _run(capsys, "--input", jsonl, "--tokenizer", "byte", "--output-prefix", prefix)[0] == 0
+    with open(prefix + ".idx", "r+b") as f:
+        n = struct.unpack("<Q", f.read(26)[18:26])[0]
+        f.seek(34 + 12 * n + 16)  # document boundary 2 (of 0, 1, 2, ...) becomes 0
+        f.write(struct.pack("<q", 0))
+    data = [jsonl, "--valid-data-path", prefix] if flag == "--valid-data-path" else [prefix]
+    code = main(["train", "--load-hf", os.path.join(tiny, "hf"), "--data-path", *data,
+                 "--tokenizer", "byte", "--seq-length", "32", "--global-batch-size", "4",
+                 "--train-iters", "1", "--save", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        f"megatron-lora train: error: {flag} {prefix}: {prefix}.idx has decreasing document "
+        f"boundaries (boundary 2 is 0, after 1); write the dataset again (megatron-lora "
+        f"preprocess)\n"), err
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
+def _chat_data(tmp_path, template):
+    from tests.data.tiny_tokenizers import template_folder
+
+    folder = template_folder(str(tmp_path / "tok"), template)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}) + "\n"
+        for i in range(5)))
+    return folder, str(path)
+
+
+@pytest.mark.parametrize("command", ["preprocess", "data-preview"])
+def test_a_runaway_chat_template_is_one_line_within_seconds(capsys, tmp_path, command):
+    """Nested loops of 10^10 iterations that write nothing: stopped by MAX_RENDER_SECONDS, one
+    message naming the line and the template's file (the old code ran until killed)."""
+    import time
+
+    from megatron_lora.data.chat_limits import MAX_RENDER_SECONDS
+
+    folder, data = _chat_data(tmp_path, "{% for i in range(99999) %}{% for j in range(99999) %}"
+                                        "{% endfor %}{% endfor %}")
+    argv = (["preprocess", "--input", data, "--output-prefix", str(tmp_path / "out"),
+             "--log-interval", "-1"] if command == "preprocess" else
+            ["data-preview", "--data-path", data, "--seq-length", "32"])
+    start = time.monotonic()
+    code = main([*argv, "--tokenizer", folder])
+    seconds = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 2 and seconds < MAX_RENDER_SECONDS + 10, (code, seconds)
+    assert err == (f"megatron-lora {command}: error: {data}:1: the chat template of {folder}/"
+                   f"tokenizer_config.json cannot be used: rendering took longer than "
+                   f"{MAX_RENDER_SECONDS:g} s (MAX_RENDER_SECONDS)\n")
+
+
+@pytest.mark.parametrize("template,message", [
+    ([{"name": "default", "template": 3}], "'chat_template' must be a string or a list of "
+                                           "{'name': str, 'template': str}"),
+    ("{% extends 'base.jinja' %}", "the chat template does not compile: {% extends %} loads "
+                                   "another template, which a chat template cannot do (line 1)"),
+])
+def test_preprocess_with_an_unusable_chat_template_exits_2_in_one_line(capsys, tmp_path,
+                                                                        template, message):
+    folder, data = _chat_data(tmp_path, template)
+    code, out, err = _run(capsys, "--input", data, "--tokenizer", folder, "--output-prefix",
+                          str(tmp_path / "out"))
+    assert code == 2 and out == ""
+    assert err == (f"megatron-lora preprocess: error: --tokenizer {folder}: {folder}/"
+                   f"tokenizer_config.json: {message}\n")
+
+
+def test_preprocess_refuses_a_template_that_renders_nothing(capsys, tmp_path):
+    folder, data = _chat_data(tmp_path, "{% for m in messages %}\n{% endfor %}")
+    code, out, err = _run(capsys, "--input", data, "--tokenizer", folder, "--output-prefix",
+                          str(tmp_path / "out"), "--skip-bad-lines")
+    assert code == 2 and out == "" and sorted(os.listdir(tmp_path)) == ["chat.jsonl", "tok"]
+    assert err == (f"megatron-lora preprocess: error: --input {data}: no samples (5 bad lines "
+                   f"skipped, the first: {data}:1: the chat template of {folder}/"
+                   f"tokenizer_config.json rendered only whitespace for this conversation, no "
+                   f"tokens to train on)\n")

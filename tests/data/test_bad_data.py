@@ -2,6 +2,7 @@
 position), never a UnicodeDecodeError, RecursionError or OverflowError traceback."""
 
 import json
+import os
 
 import pytest
 
@@ -102,3 +103,70 @@ def test_broken_tokenizer_json_is_a_value_error_naming_it(tmp_path, text):
     path.write_bytes(text)
     with pytest.raises(TokenizerError, match=f"^{path}: not a readable tokenizer.json \\(.+\\)$"):
         load_tokenizer(str(path))
+
+
+def _not_blocking(call, unblock_path=None, seconds=30):
+    """call() in a thread, failing the test (not hanging it) when it does not return in time;
+    a FIFO it blocks on is then opened for writing, so the thread can end."""
+    import threading
+
+    result = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            result["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        if unblock_path is not None:
+            with open(unblock_path, "wb"):
+                pass
+        pytest.fail(f"blocked for {seconds} s")
+    return result
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = str(tmp_path / "data.jsonl")
+    os.mkfifo(path)
+    return path
+
+
+def test_a_fifo_or_device_as_data_is_refused_without_reading(fifo):
+    """A FIFO would block the open; /dev/zero would be read without end (one line, no newline)."""
+    for path, kind in ((fifo, "a FIFO (named pipe)"), ("/dev/zero", "a character device")):
+        result = _not_blocking(lambda: read_jsonl(path, ByteTokenizer(), max_tokens=64), fifo)
+        assert isinstance(result.get("error"), DataError), result
+        assert str(result["error"]) == f"{path}: cannot read: {kind}, not a regular file"
+
+
+def test_a_symlink_to_a_fifo_is_refused_too(fifo, tmp_path):
+    link = str(tmp_path / "link.jsonl")
+    os.symlink(fifo, link)
+    result = _not_blocking(lambda: read_jsonl(link, ByteTokenizer(), max_tokens=64), fifo)
+    assert str(result["error"]) == f"{link}: cannot read: a FIFO (named pipe), not a regular file"
+
+
+@pytest.mark.parametrize("command", ["preprocess", "data-preview", "train"])
+def test_commands_refuse_a_fifo_as_data_in_one_line(fifo, tmp_path, capsys, command):
+    from megatron_lora.cli import main
+
+    if command == "train":  # read before the model is built: the data checks come first
+        from megatron_lora.data.sources import open_data
+
+        result = _not_blocking(lambda: open_data([fifo], ByteTokenizer(), 32, seed=1), fifo)
+        assert str(result["error"]) == f"{fifo}: cannot read: a FIFO (named pipe), not a " \
+                                       f"regular file"
+        return
+    argv = (["preprocess", "--input", fifo, "--tokenizer", "byte", "--output-prefix",
+             str(tmp_path / "out")] if command == "preprocess" else
+            ["data-preview", "--data-path", fifo, "--tokenizer", "byte", "--seq-length", "32"])
+    result = _not_blocking(lambda: main(argv), fifo)
+    assert result.get("value") == 2, result
+    flag = "--input " if command == "preprocess" else ""
+    assert capsys.readouterr().err == (f"megatron-lora {command}: error: {flag}{fifo}: cannot "
+                                       f"read: a FIFO (named pipe), not a regular file\n")

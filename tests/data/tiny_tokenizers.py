@@ -117,3 +117,16 @@ def chatml_folder(folder, generation: bool = False, vocab_size: int = 360):
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "chat_template": CHATML_GENERATION_TEMPLATE if generation else CHATML_TEMPLATE,
     })
+
+
+def template_folder(folder, template):
+    """The ChatML folder's tokenizer with `template` as tokenizer_config.json's chat_template
+    (any JSON value: a string, a list of named templates, or something malformed)."""
+    folder = chatml_folder(folder)
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["chat_template"] = template
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return folder

@@ -72,3 +72,47 @@ def test_generate_refuses_bad_input_before_starting(hf, tmp_path, capsys, extra,
 
     assert re.search(match, err), err
     assert not os.path.exists(out)
+
+
+def test_a_fifo_as_prompts_is_refused_without_opening_it(tmp_path):
+    """A FIFO would block the open until something writes to it: checked in a thread with a
+    timeout, so a regression fails instead of hanging."""
+    import threading
+
+    path = str(tmp_path / "p.jsonl")
+    os.mkfifo(path)
+    result = {}
+
+    def run():
+        try:
+            read_prompts(path)
+        except PromptError as exc:
+            result["error"] = str(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(30)
+    if worker.is_alive():
+        with open(path, "wb"):
+            pass
+        pytest.fail("read_prompts blocked on a FIFO")
+    assert result["error"] == (f"{path}: cannot read the prompts file (a FIFO (named pipe), not "
+                               f"a regular file)")
+
+
+def test_a_runaway_chat_template_fails_the_prompt_within_seconds(tmp_path):
+    """generate renders each 'messages' prompt with the template: bounded like preprocess."""
+    import time
+
+    from megatron_lora.data.chat_limits import MAX_RENDER_SECONDS
+    from megatron_lora.data.tokenizers import load_tokenizer
+    from tests.data.tiny_tokenizers import template_folder
+
+    folder = template_folder(str(tmp_path / "tok"), "{% for i in range(99999) %}"
+                             "{% for j in range(99999) %}x{% endfor %}{% endfor %}")
+    tok = load_tokenizer(folder)
+    start = time.monotonic()
+    with pytest.raises(PromptError, match=rf"^p\.jsonl:1: the chat template of {folder}/"
+                                          r"tokenizer_config\.json cannot be used: "):
+        prompt_ids(tok, {"messages": [{"role": "user", "content": "hi"}]}, "p.jsonl:1")
+    assert time.monotonic() - start < MAX_RENDER_SECONDS + 3

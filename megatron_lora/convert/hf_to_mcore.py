@@ -33,6 +33,7 @@ from megatron_lora.convert.mapping import (
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.progress import byte_bar
 from megatron_lora.models.mixtral import MixtralInfo, read_hf_config
+from megatron_lora.runtime.folder_files import folder_file
 
 SIDECAR = "megatron_lora.json"
 HF_CONFIG = "hf_config.json"
@@ -48,6 +49,8 @@ def open_hf(hf_dir: str) -> Tuple[MixtralInfo, HFCheckpoint, torch.dtype]:
     Raises ConversionError / MixtralConfigError naming the file, tensor or config field."""
     info = read_hf_config(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
+    for name in _PASSTHROUGH:  # copied by hf_to_mcore: only from inside the folder
+        folder_file(hf_dir, name, ConversionError)
     expected = hf_shapes(info)
     for name, shape in expected.items():
         got = ckpt.tensors.get(name)

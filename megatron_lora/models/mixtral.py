@@ -243,8 +243,10 @@ class MixtralInfo:
 
 def read_hf_config(path: str) -> MixtralInfo:
     """MixtralInfo from a config.json file (or a directory holding one)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
+    if os.path.isdir(path):  # a model folder's config.json must resolve inside the folder
+        from megatron_lora.runtime.folder_files import folder_file
+
+        path = folder_file(path, "config.json", MixtralConfigError)
     cfg = read_json(path, MixtralConfigError)
     if not isinstance(cfg, dict):
         raise MixtralConfigError(f"{path}: expected a JSON object, got {json_value(cfg)}")

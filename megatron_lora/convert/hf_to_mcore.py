@@ -107,14 +107,19 @@ def write_sidecar(directory: str, info: MixtralInfo, dtype: torch.dtype) -> None
 def read_mcore_info(mcore_dir: str, hf_config: str = None) -> MixtralInfo:
     """MixtralInfo of a megatron checkpoint: from `hf_config` if given, else the checkpoint's own
     hf_config.json (written by hf-to-mcore). Also checks that the checkpoint's metadata and common
-    state are plain data (ConversionError naming the file otherwise)."""
+    state are plain data, and that hf_config.json and the hf_files/ that mcore-to-hf copies lie
+    inside the folder (ConversionError naming the file otherwise)."""
     if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
         raise ConversionError(f"{mcore_dir}: not a megatron-core distributed checkpoint "
                               f"(no metadata.json)")
     from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 
     TorchDistCheckpoint(mcore_dir)  # its files are plain data (read safely), before any collective
-    path = hf_config or os.path.join(mcore_dir, HF_CONFIG)
+    path = hf_config or folder_file(mcore_dir, HF_CONFIG, ConversionError)  # no symlink out
+    kept = os.path.join(mcore_dir, HF_FILES)
+    if os.path.isdir(folder_file(mcore_dir, HF_FILES, ConversionError)):  # copied by mcore-to-hf
+        for name in sorted(os.listdir(kept)):
+            folder_file(mcore_dir, os.path.join(HF_FILES, name), ConversionError)
     if not os.path.exists(path):
         raise ConversionError(
             f"{mcore_dir}: no {HF_CONFIG}; pass the model's HF config.json (--hf-config)")

@@ -148,3 +148,25 @@ def test_tracker_symlinked_out_is_refused_without_reading_it(tmp_path):
         read_tracker(str(run))
     assert f"resolves to {tmp_path / 'secret'}" in str(info.value)
     assert "the contents" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["hf_config.json", os.path.join("hf_files", "secret.txt")])
+def test_converted_checkpoint_file_symlinked_out_is_refused(tmp_path, tiny_example, name):
+    """mcore-to-hf reads hf_config.json and copies every file of hf_files/ into its output: a
+    link out of the checkpoint would copy a file of the machine there."""
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.convert.mcore_to_hf import mcore_to_hf
+
+    mcore = os.path.join(tiny_example(tmp_path / "t", samples=4, mcore=True), "mcore")
+    os.makedirs(os.path.join(mcore, "hf_files"), exist_ok=True)
+    target = tmp_path / "outside"
+    if os.path.exists(os.path.join(mcore, name)):
+        shutil.move(os.path.join(mcore, name), target)
+    else:
+        target.write_text("not the checkpoint's")
+    os.symlink(target, os.path.join(mcore, name))
+    with pytest.raises(ConversionError) as info:
+        mcore_to_hf(mcore, str(tmp_path / "out"), progress=False)
+    assert f"{os.path.join(mcore, name)} resolves to {target}, outside the folder" in str(
+        info.value), str(info.value)
+    assert not os.path.exists(tmp_path / "out")

@@ -248,11 +248,45 @@ def _alpha_pattern(text: str):
     return _pattern(text, _positive_float, "REGEX=A with A a positive number", "router=8")
 
 
+def _rank0() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _leave_it_to_rank0(message: str, wait_s: float = 30.0) -> None:
+    """On a rank other than 0 with the error every rank found. Under torchrun (whose output is
+    all ranks' together): wait for rank 0 to print it and exit, which makes torchrun stop this
+    rank (exiting first would make torchrun stop rank 0 before it printed); should rank 0 not
+    end the job within `wait_s` (it did not fail alike), print the message here after all.
+    Ranks started some other way, each with its own output, print it at once."""
+    import os
+    import time
+
+    from megatron_lora.runtime.watchdog import under_torchrun
+
+    if under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(wait_s)
+    print(message, file=sys.stderr, flush=True)
+
+
 def _run(args) -> int:
+    """run_training with its user errors as one line (exit 2) and Ctrl-C as one line (exit
+    130), printed once under torchrun: by rank 0, or by each rank for a problem of its own
+    (every rank finds the same bad input before any collective)."""
+    from megatron_lora.training.interrupt import TrainInterrupted
     from megatron_lora.training.run import TrainSetupError, run_training
 
     try:
         return run_training(args)
     except TrainSetupError as exc:
-        print(f"megatron-lora train: error: {exc}", file=sys.stderr)
+        message = f"megatron-lora train: error: {exc}"
+        if _rank0() or exc.every_rank:
+            print(message, file=sys.stderr, flush=True)
+        else:
+            _leave_it_to_rank0(message)
         return 2
+    except TrainInterrupted as exc:
+        if _rank0():
+            print(f"megatron-lora train: {exc}", file=sys.stderr, flush=True)
+        return 130

@@ -2,8 +2,10 @@
 
 `HFCheckpoint(directory)` checks everything that can be checked without reading tensor data:
 config.json, the index (a dict of tensor name -> shard file name, each shard inside the folder: no
-`..`, absolute path or symlink out of it), that every shard the index names exists and has a
-readable safetensors header, and that every tensor the index names is in its shard. Tensor data is read on demand with
+`..`, absolute path or symlink out of it, save a hub-cache snapshot's links to its own blobs:
+runtime/folder_files.py; the index itself too), that every shard the index names exists and has a
+readable safetensors header, and that every tensor the index names is in its shard. Tensor data
+is read on demand with
 `read(name, index)`, through safetensors' `get_slice`, so a caller reads only the rows and columns
 it needs. Each read opens the file and closes it again: the memory map never outlives one tensor,
 so resident memory does not grow with the shard size.
@@ -20,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.runtime.folder_files import check_in_folder
 from megatron_lora.runtime.safe_load import CheckpointFileError, confined_path
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -60,7 +63,8 @@ class HFCheckpoint:
 
     def _weight_map(self) -> Dict[str, str]:
         index = self._path(INDEX_NAME)
-        if os.path.exists(index):
+        if os.path.lexists(index):
+            check_in_folder(self.directory, index, ConversionError)
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]

@@ -1,4 +1,4 @@
-"""HF Mixtral safetensors -> megatron-core torch_dist checkpoint, streamed.
+"""HF safetensors (any supported family) -> megatron-core torch_dist checkpoint, streamed.
 
     hf_to_mcore("Mixtral-8x7B", "mixtral-mcore")
 
@@ -33,6 +33,7 @@ from megatron_lora.convert.mapping import (
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.progress import byte_bar
 from megatron_lora.families import ModelInfo, read_hf_config
+from megatron_lora.runtime.folder_files import folder_file
 
 SIDECAR = "megatron_lora.json"
 HF_CONFIG = "hf_config.json"
@@ -42,11 +43,13 @@ _PASSTHROUGH = ("generation_config.json", "special_tokens_map.json", "added_toke
 
 
 def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
-    """Read and check an HF Mixtral directory: (model info, safetensors reader, weights dtype).
+    """Read and check an HF model directory: (model info, safetensors reader, weights dtype).
 
     Raises ConversionError / ModelConfigError naming the file, tensor or config field."""
     info = read_hf_config(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
+    for name in _PASSTHROUGH:  # copied by hf_to_mcore: only from inside the folder
+        folder_file(hf_dir, name, ConversionError)
     expected = hf_shapes(info)
     for name, shape in expected.items():
         got = ckpt.tensors.get(name)
@@ -61,7 +64,7 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
     extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored))
     if extra:
         raise ConversionError(
-            f"{hf_dir}: tensors not part of a Mixtral model as config.json describes it: "
+            f"{hf_dir}: tensors not part of the model as config.json describes it: "
             f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
         )
     dtypes = {ckpt.tensors[n].dtype for n in expected}
@@ -103,14 +106,19 @@ def write_sidecar(directory: str, info: ModelInfo, dtype: torch.dtype) -> None:
 def read_mcore_info(mcore_dir: str, hf_config: str = None) -> ModelInfo:
     """ModelInfo of a megatron checkpoint: from `hf_config` if given, else the checkpoint's own
     hf_config.json (written by hf-to-mcore). Also checks that the checkpoint's metadata and common
-    state are plain data (ConversionError naming the file otherwise)."""
+    state are plain data, and that hf_config.json and the hf_files/ that mcore-to-hf copies lie
+    inside the folder (ConversionError naming the file otherwise)."""
     if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
         raise ConversionError(f"{mcore_dir}: not a megatron-core distributed checkpoint "
                               f"(no metadata.json)")
     from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 
     TorchDistCheckpoint(mcore_dir)  # its files are plain data (read safely), before any collective
-    path = hf_config or os.path.join(mcore_dir, HF_CONFIG)
+    path = hf_config or folder_file(mcore_dir, HF_CONFIG, ConversionError)  # no symlink out
+    kept = os.path.join(mcore_dir, HF_FILES)
+    if os.path.isdir(folder_file(mcore_dir, HF_FILES, ConversionError)):  # copied by mcore-to-hf
+        for name in sorted(os.listdir(kept)):
+            folder_file(mcore_dir, os.path.join(HF_FILES, name), ConversionError)
     if not os.path.exists(path):
         raise ConversionError(
             f"{mcore_dir}: no {HF_CONFIG}; pass the model's HF config.json (--hf-config)")

@@ -291,13 +291,13 @@ def find_chat_template(folder: str, special_tokens: Dict[str, str],
     templates: Dict[str, Tuple[str, str]] = {}  # name -> (source, origin)
     main = os.path.join(folder, "chat_template.jinja")
     extra_dir = os.path.join(folder, "additional_chat_templates")
-    if os.path.isfile(main):
-        templates["default"] = (_read_text(main), main)
-    if os.path.isdir(extra_dir):
+    if os.path.lexists(main) and _inside(folder, main) and os.path.isfile(main):
+        templates["default"] = (_read_text(main, folder), main)
+    if os.path.isdir(extra_dir) and _inside(folder, extra_dir):
         for entry in sorted(os.listdir(extra_dir)):
             if entry.endswith(".jinja"):
                 path = os.path.join(extra_dir, entry)
-                templates[entry[:-len(".jinja")]] = (_read_text(path), path)
+                templates[entry[:-len(".jinja")]] = (_read_text(path, folder), path)
     if not templates and config is not None and config.get("chat_template") is not None:
         origin = os.path.join(folder, "tokenizer_config.json")
         templates = _config_templates(config["chat_template"], origin)
@@ -323,7 +323,19 @@ def _config_templates(value: Union[str, list], origin: str) -> Dict[str, Tuple[s
                             f"{{'name': str, 'template': str}}")
 
 
-def _read_text(path: str) -> str:
+def _inside(folder: str, path: str) -> bool:
+    """True, or ChatTemplateError when `path` (a file or folder of the tokenizer folder)
+    resolves outside it: a symlink out would make any file of the machine the template."""
+    from megatron_lora.runtime.folder_files import check_in_folder
+
+    check_in_folder(folder, path, ChatTemplateError)
+    return True
+
+
+def _read_text(path: str, folder: str) -> str:
+    """The text of template file `path` of the tokenizer folder `folder` (it must resolve inside
+    it: _inside)."""
+    _inside(folder, path)
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

@@ -15,11 +15,18 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Tuple
 
+from megatron_lora.data.chat import ChatTemplateError
 from megatron_lora.jsonfile import read_json, reason
 
 
 class TokenizerError(ValueError):
     """A tokenizer file that cannot be used; the message names the file."""
+
+
+class TemplateFileError(TokenizerError, ChatTemplateError):
+    """A tokenizer folder's chat template that cannot be used (unreadable, a symlink out of the
+    folder, not compiling): both a TokenizerError and a ChatTemplateError, so every command that
+    loads tokenizers reports it as one line."""
 
 
 class ByteTokenizer:
@@ -101,9 +108,12 @@ class HFTokenizer:
                                  f"similar)")
         pad = self._named("pad_token", ("<pad>", "<unk>"))
         self.pad_id = pad if pad is not None else self.eos_id
-        self.chat_template = find_chat_template(
-            folder, {k: v for k, v in self.special_tokens.items() if k in SPECIAL_TOKEN_NAMES},
-            config)
+        try:
+            self.chat_template = find_chat_template(
+                folder, {k: v for k, v in self.special_tokens.items() if k in SPECIAL_TOKEN_NAMES},
+                config)
+        except ChatTemplateError as exc:  # a tokenizer folder's problem for every CLI
+            raise TemplateFileError(str(exc)) from None
 
     def _llama_pre_tokenizer(self, config: dict) -> None:
         from tokenizers import pre_tokenizers
@@ -189,6 +199,8 @@ class HFTokenizer:
             with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
                 json.dump(config, f, indent=2, ensure_ascii=False)
         for name in ("special_tokens_map.json", "chat_template.jinja", "chat_template.json"):
+            if os.path.lexists(os.path.join(source, name)):
+                _in_folder(os.path.join(source, name))
             if os.path.isfile(os.path.join(source, name)):
                 shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
         return folder
@@ -207,7 +219,17 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+def _in_folder(path: str) -> str:
+    """`path`, a file of a tokenizer folder, if it resolves inside that folder (a symlink out
+    would read any file of the machine as tokenizer data); else TokenizerError."""
+    from megatron_lora.runtime.folder_files import check_in_folder
+
+    return check_in_folder(os.path.dirname(os.path.abspath(path)), path, TokenizerError)
+
+
 def _read_config(path: str) -> Optional[dict]:
+    if os.path.lexists(path):
+        _in_folder(path)
     if not os.path.isfile(path):
         return None
     config = read_json(path, TokenizerError)
@@ -277,6 +299,8 @@ def load_tokenizer(spec: str):
     if spec == "byte":
         return ByteTokenizer()
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if os.path.isdir(spec) and os.path.lexists(path):
+        _in_folder(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"--tokenizer {spec!r}: expected 'byte', a tokenizer.json file, or a directory "

@@ -171,7 +171,9 @@ def _check_auto_mapping(cfg: dict, path: str) -> None:
 def read_adapter_config(directory: str) -> Union[PeftLora, PeftPrefix]:
     """Read and validate `directory/adapter_config.json` (a LoRA, or a prefix tuning, for a
     Mixtral model)."""
-    path = os.path.join(directory, CONFIG_NAME)
+    from megatron_lora.runtime.folder_files import folder_file
+
+    path = folder_file(directory, CONFIG_NAME, ConversionError)  # no symlink out of the folder
     cfg = read_json(path, ConversionError, what="not a PEFT adapter folder")
     if not isinstance(cfg, dict):
         raise ConversionError(f"{path}: expected a JSON object, got {json_value(cfg)}")
@@ -236,6 +238,16 @@ def read_adapter_config(directory: str) -> Union[PeftLora, PeftPrefix]:
                     target_modules=tuple(modules), target_parameters=tuple(params),
                     rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"],
                     path=path)
+
+
+def unmatched_targets(targets, module_names) -> List[str]:
+    """The entries of a target_modules list that match none of `module_names`, by PEFT's rule
+    for a list: a module is targeted when its name equals an entry or ends with "." + entry.
+    (A string would be a regular expression full-matched against the names; read_adapter_config
+    refuses strings.)"""
+    names = list(module_names)
+    return [t for t in targets
+            if not any(n == t or n.endswith("." + t) for n in names)]
 
 
 def _token_indices(value, path: str) -> Tuple[int, ...]:

@@ -38,8 +38,10 @@ from safetensors import safe_open
 
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import hf_shapes
-from megatron_lora.export.peft_config import WEIGHTS_NAME, PeftLora, PeftPrefix, scale
+from megatron_lora.export.peft_config import (WEIGHTS_NAME, PeftLora, PeftPrefix, scale,
+                                              unmatched_targets)
 from megatron_lora.families import ModelInfo
+from megatron_lora.runtime.folder_files import folder_file
 
 _PREFIX = "base_model.model."
 _FACTOR = re.compile(r"^(?P<module>.+)\.(?:(?P<lin>lora_[AB])\.weight|(?P<emb>lora_embedding_[AB]))$")
@@ -69,7 +71,7 @@ PROMPT_EMBEDDINGS = "prompt_embeddings"
 
 
 def _weights_path(directory: str) -> str:
-    path = os.path.join(directory, WEIGHTS_NAME)
+    path = folder_file(directory, WEIGHTS_NAME, ConversionError)  # no symlink out of the folder
     if not os.path.isfile(path):
         other = os.path.join(directory, "adapter_model.bin")
         extra = " (adapter_model.bin, a pickle, is not read: convert it to safetensors)" \
@@ -107,7 +109,7 @@ def read_prefix_table(directory: str, info: ModelInfo, config: PeftPrefix) -> to
                     f"{list(sl.get_shape())}; {config.path} (num_virtual_tokens="
                     f"{config.num_virtual_tokens}) and the model imply {list(shape)} in F32, "
                     f"BF16 or F16")
-            return f.get_tensor(PROMPT_EMBEDDINGS)
+            return check_finite(path, PROMPT_EMBEDDINGS, f.get_tensor(PROMPT_EMBEDDINGS))
     except ConversionError:
         raise
     except Exception as exc:
@@ -144,6 +146,30 @@ class _ModuleNames:
         return module
 
 
+def check_finite(path: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (key `key` of the file `path`) if all its values are finite; else a
+    ConversionError naming the key: NaN or Inf factors would make every output of the model
+    NaN (a training run that diverged saves such an adapter)."""
+    bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+    if bad:
+        raise ConversionError(f"{path}: tensor {key!r} holds {bad} NaN or Inf value"
+                              f"{'s' if bad > 1 else ''} (of {tensor.numel()}); an adapter with "
+                              f"non-finite weights is not imported")
+    return tensor
+
+
+def model_modules(hf: Dict[str, Tuple[int, ...]]):
+    """The module names of the HF model (tensor names -> shapes `hf`) that PEFT adapts: those
+    with a 2-D weight (the linears and embed_tokens), also under transformers 5's `mlp.` for
+    `block_sparse_moe.`."""
+    for name, shape in hf.items():
+        if name.endswith(".weight") and len(shape) == 2:
+            module = name[:-len(".weight")]
+            yield module
+            if ".block_sparse_moe." in module:
+                yield module.replace(".block_sparse_moe.", ".mlp.")
+
+
 class PeftAdapterFile:
     """`adapter_model.safetensors` of a PEFT LoRA for the model `info`.
 
@@ -176,6 +202,13 @@ class PeftAdapterFile:
         self.fused: Dict[Tuple[int, str], Factor] = {}
         self.magnitudes: Dict[str, str] = {}  # DoRA: HF module -> its lora_magnitude_vector key
         self._hf = hf_shapes(info)
+        unknown = unmatched_targets(config.target_modules, model_modules(self._hf))
+        if unknown:
+            raise ConversionError(
+                f"{config.path}: target_modules {unknown} match no module of the model "
+                f"({info.config_fields()}); a Mixtral has q_proj, k_proj, v_proj, o_proj, gate, "
+                f"w1, w2, w3, embed_tokens and lm_head (PEFT adapts a module whose name equals "
+                f"an entry or ends with '.' + entry)")
         raw: Dict[str, Dict[str, str]] = {}
         self.tokens: Dict[str, str] = {}  # trainable tokens: "embedding"/"output_layer" -> key
         for key in sorted(self.shapes):
@@ -204,6 +237,8 @@ class PeftAdapterFile:
             self._add(module, keys["A"], keys["B"])
         if not self.modules and not self.fused:
             raise ConversionError(f"{self.path}: no LoRA factors found")
+        for key in sorted(self.shapes):
+            check_finite(self.path, key, self.read(key))
         missing = [TOKEN_ROWS[w] for w in TOKEN_ROWS if w not in self.tokens]
         if config.trainable_token_indices and missing:
             raise ConversionError(f"{self.path}: {config.path} has trainable_token_indices but "

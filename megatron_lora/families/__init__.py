@@ -18,6 +18,7 @@ from megatron_lora.families.qwen3_moe import QWEN3_MOE
 from megatron_lora.families.shape import (VOCAB_MULTIPLE, ModelShape, padded_vocab_size,
                                           tiny_moe_shape)
 from megatron_lora.jsonfile import json_value, read_json
+from megatron_lora.runtime.folder_files import folder_file
 
 FAMILIES: Tuple[Family, ...] = (MIXTRAL, QWEN3_MOE, QWEN2_MOE)
 
@@ -57,8 +58,8 @@ def model_info(cfg: dict, source: str = "config.json") -> ModelInfo:
 
 def read_hf_config(path: str) -> ModelInfo:
     """ModelInfo from a config.json file (or a directory holding one)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
+    if os.path.isdir(path):  # a model folder's config.json must resolve inside the folder
+        path = folder_file(path, "config.json", ModelConfigError)
     cfg = read_json(path, ModelConfigError)
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"{path}: expected a JSON object, got {json_value(cfg)}")

@@ -9,7 +9,8 @@ per-rank `rng/rank_*.pt` (torch.save archives). Here:
   dtypes, torch.Size, ...), looked up in a table built at import, never by attribute lookups
   through a module (a protocol-4 name such as `os.system` inside an allowed module is refused like
   any other). The result must be a `Metadata`, and every data file it names (`relative_path`) must
-  lie inside the checkpoint folder (`confined_path`).
+  lie inside the checkpoint folder (`confined_path`). Every file read (`.metadata`, `common.pt`,
+  `metadata.json`, ...) must itself resolve inside it too (`own_file`: no symlink out).
 - `safe_torch_load(path)`: `torch.load(weights_only=True, map_location="cpu")`.
 - `dist_load(sharded_state_dict, directory)`: megatron's `dist_checkpointing.load` with load
   strategies whose every read goes through the two functions above (the tensor chunks themselves
@@ -37,6 +38,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as _dcp_fs
 from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint import planner as _dcp_planner
+
+from megatron_lora.runtime.folder_files import outside_folder
 
 METADATA_NAME = ".metadata"
 COMMON_NAME = "common.pt"
@@ -111,7 +114,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def confined_path(directory: str, name: Any, source: str, field: str) -> str:
     """os.path.join(directory, name) if `name` is a relative path that stays inside `directory`
-    (after symlinks are resolved); CheckpointFileError naming `source` and `field` otherwise."""
+    (after symlinks are resolved; runtime/folder_files.py); CheckpointFileError naming `source`
+    and `field` otherwise."""
     if not isinstance(name, str) or not name:
         raise CheckpointFileError(source, f"{field} must be a non-empty file name, got {name!r}")
     parts = re.split(r"[\\/]", name)
@@ -119,11 +123,22 @@ def confined_path(directory: str, name: Any, source: str, field: str) -> str:
         raise CheckpointFileError(source, f"{field} {name!r} points outside {directory}: only "
                                           f"file names inside the folder are accepted")
     path = os.path.join(directory, name)
-    root = os.path.realpath(directory)
-    real = os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root:
-        raise CheckpointFileError(source, f"{field} {name!r} resolves to {real}, outside {root} "
-                                          f"(a symlink out of the folder?)")
+    real = outside_folder(directory, path)  # a hub-cache snapshot may link to its own blobs
+    if real is not None:
+        raise CheckpointFileError(source, f"{field} {name!r} resolves to {real}, outside "
+                                          f"{os.path.realpath(directory)} (a symlink out of the "
+                                          f"folder?)")
+    return path
+
+
+def own_file(directory: str, path: str) -> str:
+    """`path`, a file of the checkpoint folder `directory`, if it resolves inside it;
+    CheckpointFileError naming the file, where it resolves and the folder otherwise."""
+    real = outside_folder(str(directory), path)
+    if real is not None:
+        raise CheckpointFileError(path, f"resolves to {real}, outside the checkpoint folder "
+                                        f"{os.path.realpath(str(directory))} (a symlink out of "
+                                        f"it); only files inside the folder are read")
     return path
 
 
@@ -139,7 +154,7 @@ def load_dcp_metadata(directory: str, rank: Optional[int] = None):
     """The `Metadata` of a torch_dist checkpoint (or of rank-local `__{rank}.metadata`), read with
     RestrictedUnpickler and checked: right type, data files confined to `directory`."""
     name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-    path = os.path.join(str(directory), name)
+    path = own_file(directory, os.path.join(str(directory), name))
     try:
         with open(path, "rb") as f:
             md = RestrictedUnpickler(f).load()
@@ -186,7 +201,7 @@ def load_common_state(directory: str, metadata=None) -> Dict:
     """
     legacy = os.path.join(str(directory), COMMON_NAME)
     if os.path.lexists(legacy):
-        common, where = safe_torch_load(legacy), legacy
+        common, where = safe_torch_load(own_file(directory, legacy)), legacy
     else:
         md = metadata if metadata is not None else load_dcp_metadata(directory)
         info = next((s for i, s in (md.storage_data or {}).items()
@@ -322,6 +337,7 @@ def check_checkpoint(directory: str) -> Tuple[Any, Optional[Dict]]:
     """(Metadata, common state or None where there is no common.pt) of a torch_dist checkpoint,
     both read safely. Local (no collective): every rank that calls it on the same folder fails
     alike, before any collective."""
+    own_file(directory, os.path.join(str(directory), "metadata.json"))  # megatron reads it
     md = load_dcp_metadata(directory)
     has_common = os.path.lexists(os.path.join(str(directory), COMMON_NAME)) or any(
         getattr(i, "fqn", None) == COMMON_OBJECT for i in (md.storage_data or {}))

@@ -18,8 +18,9 @@ A checkpoint is written into `iter_XXXXXXX.tmp`, renamed into place when every r
 and only then is the tracker replaced (write to a temporary file + os.replace). A crash at any
 point leaves the previous checkpoint and the tracker pointing at it; `.tmp` folders are never
 loaded. Every file is read as plain data through `runtime.safe_load` (the `.metadata` pickle with
-an allow-list of exact classes, `common.pt` and tensor files with weights_only=True), and
-checked on every rank before the first collective of a load.
+an allow-list of exact classes, `common.pt` and tensor files with weights_only=True), only if it
+resolves inside its folder (no symlink out: runtime/folder_files.py), and checked on every rank
+before the first collective of a load.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron_lora.runtime.folder_files import check_in_folder
 from megatron_lora.runtime.safe_load import (
     CheckpointFileError,
     check_checkpoint,
@@ -74,6 +76,9 @@ def read_tracker(root: str) -> Optional[int]:
     the tracker is not a number or names a folder that does not exist. The same on every rank
     (a shared file system), so it is safe before any collective."""
     path = os.path.join(root, TRACKER)
+    if not os.path.lexists(path):
+        return None
+    check_in_folder(root, path, CheckpointError)  # a symlink out of the run folder is refused
     if not os.path.isfile(path):
         return None
     text = open(path).read().strip()
@@ -339,8 +344,12 @@ def _agree(problem: Optional[CheckpointFileError], directory: str) -> None:
     if problem is not None:
         raise problem
     if int(flag.item()):
-        raise CheckpointFileError(directory, "another rank could not read its checkpoint files "
-                                             "(its error names the file)")
+        raise OtherRankFileError(directory, "another rank could not read its checkpoint files "
+                                            "(its error names the file)")
+
+
+class OtherRankFileError(CheckpointFileError):
+    """Raised on the ranks whose own files were fine when another rank's were not."""
 
 
 def resolve(path: str) -> str:

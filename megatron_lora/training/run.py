@@ -10,7 +10,22 @@ import torch
 
 
 class TrainSetupError(ValueError):
-    """Bad input found before training started (the same on every rank)."""
+    """Bad input found before training started. `every_rank` False (the default): the same
+    message on every rank, so the CLI prints it on rank 0 only; True: this rank's own (a bad
+    file only this rank reads), printed by each rank that has it."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def _per_rank(exc: BaseException) -> bool:
+    """Whether a failure of a checkpoint load may differ between ranks: a per-rank file this
+    rank could not read (the other ranks raise OtherRankFileError, the same on each)."""
+    from megatron_lora.runtime.safe_load import CheckpointFileError
+    from megatron_lora.training.checkpoint import OtherRankFileError
+
+    return isinstance(exc, CheckpointFileError) and not isinstance(exc, OtherRankFileError)
 
 
 # LoraConfig field -> the train flag that sets it, for messages about CLI input.
@@ -98,6 +113,7 @@ def _setup_checks(args, layout, world_size):
     from megatron_lora.runtime import LayoutError
     from megatron_lora.training.loop import RunConfig
     from megatron_lora.training.optimizer import OptimConfig
+    from megatron_lora.training.run_folder import check_outputs
 
     initial = None
     try:
@@ -119,7 +135,7 @@ def _setup_checks(args, layout, world_size):
 
         check_before_build(info, layout, torch.bfloat16 if args.bf16 else torch.float32,
                            load=args.load, hf_config=args.hf_config)
-        _check_outputs(args)
+        check_outputs(args)  # training/run_folder.py
         resume_at = None
         if args.save:  # a tracker naming a missing iteration: refused before any model exists
             from megatron_lora.training.checkpoint import read_tracker
@@ -235,35 +251,6 @@ def _recompute_problems(args, layers_per_stage: int) -> list:
     return recompute_problems(*_recompute_settings(args), layers_per_stage)
 
 
-def _check_outputs(args) -> None:
-    """--save and --tensorboard-dir: existing folders are fine (a run resumes / adds to them), but
-    not a file in the way, an unwritable location or an overlap with an input (OutputError)."""
-    from megatron_lora.convert.outputs import check_output
-
-    inputs = {"--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
-              **_data_inputs(args.data_path), "--tokenizer": args.tokenizer,
-              "--valid-data-path": getattr(args, "valid_data_path", None),
-              "--adapter": getattr(args, "adapter", None)}
-    inputs = {k: v for k, v in inputs.items() if v}
-    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
-        if path:
-            check_output(path, kind="dir", exists_ok=True, inputs=inputs, flag=flag)
-
-
-def _data_inputs(values) -> dict:
-    """{flag: path} of the --data-path files (a prefix's .bin and .idx; a blend's every path)."""
-    from megatron_lora.data.indexed import is_prefix
-
-    values = [values] if isinstance(values, str) else list(values)
-    paths = values[1::2] if len(values) > 1 else values  # a blend: W1 PATH1 W2 PATH2 ...
-    out = {}
-    for i, path in enumerate(paths):
-        name = "--data-path" if i == 0 else f"--data-path ({i + 1})"
-        out.update({name + " .bin": path + ".bin", name + " .idx": path + ".idx"}
-                   if is_prefix(path) else {name: path})
-    return out
-
-
 def _datasets(args, info, run):
     """(train, evaluation or None, stats) from --data-path (JSONL, an indexed prefix or a
     weighted blend of them: data/sources.py), --eval-fraction and --valid-data-path."""
@@ -343,6 +330,7 @@ def _say(rank0: bool, text: str) -> None:
 def run_training(args) -> int:
     """`megatron-lora train` on this rank: checks (no collective), then _train."""
     from megatron_lora.cli.common import layout_from_args, torchrun_env_defaults
+    from megatron_lora.training import interrupt
 
     torchrun_env_defaults(29519)
     world_size = int(os.environ["WORLD_SIZE"])
@@ -350,17 +338,31 @@ def run_training(args) -> int:
         layout = layout_from_args(args)
     except ValueError as exc:
         raise TrainSetupError(str(exc)) from None
-    info, hf, lora, run, optim, (train_set, eval_set, stats), initial = _setup_checks(
-        args, layout, world_size)
-    try:
-        return _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
-                      initial)
+    progress = interrupt.Progress()
+    previous = interrupt.watch()
+    try:  # Ctrl-C anywhere: one line on rank 0, exit 130 (training/interrupt.py)
+        info, hf, lora, run, optim, (train_set, eval_set, stats), initial = _setup_checks(
+            args, layout, world_size)
+        if args.save:
+            from megatron_lora.training.checkpoint import read_tracker
+
+            progress.iteration = read_tracker(args.save) or 0  # a resume starts there
+        try:
+            return _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
+                          initial, progress)
+        finally:
+            if initial is not None:
+                initial.cleanup()
+    except BaseException as exc:  # also a peer's error seen by a rank interrupted in a collective
+        if isinstance(exc, KeyboardInterrupt) or interrupt.received():
+            raise interrupt.interrupted(progress, args.save) from None
+        raise
     finally:
-        if initial is not None:
-            initial.cleanup()
+        interrupt.unwatch(previous)
 
 
-def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats, initial) -> int:
+def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats, initial,
+           progress=None) -> int:
     import torch.distributed as dist
 
     from megatron_lora import runtime
@@ -421,11 +423,11 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
     start = time.monotonic()
     try:
         result = train([model], train_set, run, optim, layout_name=layout.describe(),
-                       run_metadata=metadata, eval_dataset=eval_set,
+                       run_metadata=metadata, eval_dataset=eval_set, on_iteration=progress,
                        model_shape=info.shape, lora_config=lora)
     except (ResumeMismatchError, ValueError) as exc:  # raised on every rank before any step
         runtime.shutdown()
-        raise TrainSetupError(str(exc)) from None
+        raise TrainSetupError(str(exc), every_rank=_per_rank(exc)) from None
     if rank0:
         print(f"{result.describe()} in {time.monotonic() - start:.1f} s; "
               f"final loss {result.losses.get(result.iteration, float('nan')):.4f}")

@@ -145,7 +145,7 @@ def test_peak_table_names_and_cpu_has_no_mfu():
 
 
 def test_train_logs_tflops_consistent_with_tokens_per_s(tmp_path, tiny_example):
-    from megatron_lora.models.mixtral import read_hf_config
+    from megatron_lora.families import read_hf_config
 
     seq, gbs = 32, 2
     tiny = tiny_example(tmp_path / "tiny", samples=4)

@@ -1,8 +1,8 @@
 """Checkpoint files are read as data, never as code: the one path every checkpoint read takes.
 
-A torch_dist checkpoint holds three kinds of files that torch and megatron-core would unpickle:
-`.metadata` (a plain pickle of torch.distributed.checkpoint's `Metadata`), `common.pt` and our
-per-rank `rng/rank_*.pt` (torch.save archives). Here:
+A torch_dist checkpoint holds files that torch and megatron-core would unpickle: `.metadata` (a
+plain pickle of torch.distributed.checkpoint's `Metadata`) and `common.pt` (a torch.save archive;
+older versions also wrote per-rank `rng/rank_*.pt`, which is never read). Here:
 
 - `load_dcp_metadata(directory)` unpickles `.metadata` with `RestrictedUnpickler`: only the exact
   (module, name) pairs in `ALLOWED_GLOBALS` resolve (the checkpoint-metadata dataclasses, torch

@@ -240,12 +240,10 @@ def resolved(parser, args) -> Dict[str, object]:
 
 
 def dump(config: Dict[str, object], command: str = "megatron-lora train") -> str:
-    """YAML text of a resolved configuration (yaml.safe_dump, keys in the given order)."""
-    import yaml
+    """YAML text of a resolved configuration (training/run_folder.py run_config_yaml)."""
+    from megatron_lora.training.run_folder import run_config_yaml
 
-    head = (f"# {command}: every flag's final value for this run. Rerun it with\n"
-            f"#   {command} --config THIS_FILE [--save ANOTHER_FOLDER]\n")
-    return head + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+    return run_config_yaml(config, command)
 
 
 class ConfigArgumentParser(argparse.ArgumentParser):

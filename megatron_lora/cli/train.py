@@ -274,11 +274,12 @@ def _run(args) -> int:
     """run_training with its user errors as one line (exit 2) and Ctrl-C as one line (exit
     130), printed once under torchrun: by rank 0, or by each rank for a problem of its own
     (every rank finds the same bad input before any collective)."""
+    from megatron_lora.cli.run_config import resolved
+    from megatron_lora.cli.train_run import TrainSetupError, run_training
     from megatron_lora.training.interrupt import TrainInterrupted
-    from megatron_lora.training.run import TrainSetupError, run_training
 
     try:
-        return run_training(args)
+        return run_training(args, resolved(parser(), args))
     except TrainSetupError as exc:
         message = f"megatron-lora train: error: {exc}"
         if _rank0() or exc.every_rank:

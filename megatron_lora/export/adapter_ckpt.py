@@ -103,7 +103,7 @@ class AdapterCheckpoint:
     """An adapter checkpoint opened for streamed reading; see the module docstring."""
 
     def __init__(self, path: str, info: ModelInfo):
-        from megatron_lora.training.checkpoint import read_run_metadata, resolve
+        from megatron_lora.lora.run_files import read_run_metadata, resolve
 
         try:
             self.directory = resolve(path)

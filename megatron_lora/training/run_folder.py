@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterable, List
+from typing import Dict, Iterable, List
 
-from megatron_lora.training.checkpoint import TRACKER
+from megatron_lora.lora.run_files import TRACKER
 from megatron_lora.training.logging import METRICS_FILE, PLOT_FILE
 
 _ITERATION = re.compile(r"^iter_\d{7}(\.tmp)?$")
@@ -89,3 +89,13 @@ def _data_inputs(values) -> dict:
         out.update({name + " .bin": path + ".bin", name + " .idx": path + ".idx"}
                    if is_prefix(path) else {name: path})
     return out
+
+
+def run_config_yaml(config: Dict[str, object], command: str = "megatron-lora train") -> str:
+    """YAML text of a resolved configuration (yaml.safe_dump, keys in the given order): the
+    run_config.yaml each checkpoint holds, usable as `train --config`."""
+    import yaml
+
+    head = (f"# {command}: every flag's final value for this run. Rerun it with\n"
+            f"#   {command} --config THIS_FILE [--save ANOTHER_FOLDER]\n")
+    return head + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)

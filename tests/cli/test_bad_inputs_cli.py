@@ -194,7 +194,7 @@ def test_bad_lora_rank_pattern_is_a_usage_error(value, capsys):
 def test_bad_lora_values_name_the_flag(tiny, tmp_path, flags, needle):
     from megatron_lora.cli import build_parser
     from megatron_lora.runtime import ParallelLayout
-    from megatron_lora.training.run import TrainSetupError, _setup_checks
+    from megatron_lora.cli.train_run import TrainSetupError, _setup_checks
 
     args = build_parser().parse_args(_args("train", tiny, tmp_path, "--load", tiny["mcore"],
                                            "--hf-config", tiny["hf"], *flags))

@@ -75,7 +75,7 @@ def tiny(tmp_path_factory, tiny_example):
 
 def _setup(tiny, *data_path, extra=()):
     from megatron_lora.runtime import ParallelLayout
-    from megatron_lora.training.run import _setup_checks
+    from megatron_lora.cli.train_run import _setup_checks
 
     args = build_parser().parse_args(
         ["train", "--load-hf", os.path.join(tiny, "hf"), "--data-path", *data_path,
@@ -98,7 +98,7 @@ def test_train_reads_a_prefix_and_a_blend(capsys, tiny, tmp_path):
     train_b, held_b, stats_b = _setup(tiny, "0.5", prefix, "0.5", jsonl,
                                       extra=("--eval-fraction", "0.25"))
     assert stats_b["samples"] == 2 * stats_j["samples"] and len(held_b) > 0
-    from megatron_lora.training.run import TrainSetupError
+    from megatron_lora.cli.train_run import TrainSetupError
 
     with pytest.raises(TrainSetupError, match="--data-path: expected one path, or weight-path"):
         _setup(tiny, "0.5", prefix, jsonl)

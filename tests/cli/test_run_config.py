@@ -151,7 +151,7 @@ def test_help_shows_every_flag_with_help_and_default(capsys):
     assert "--lora-alpha-pattern REGEX=A" in out and "--valid-data-path FILE" in out
 
 
-# ---- train's setup checks (training/run.py), in this process: no collective before them ----
+# ---- train's setup checks (cli/train_run.py), in this process: no collective before them ----
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_example):
@@ -160,7 +160,7 @@ def tiny(tmp_path_factory, tiny_example):
 
 def _setup(tiny, *extra, **kw):
     from megatron_lora.runtime import ParallelLayout
-    from megatron_lora.training.run import _setup_checks
+    from megatron_lora.cli.train_run import _setup_checks
 
     args = build_parser().parse_args(
         ["train", "--load-hf", os.path.join(tiny, "hf"), "--data-path",
@@ -172,7 +172,7 @@ def _setup(tiny, *extra, **kw):
 
 
 def _setup_error(tiny, *extra):
-    from megatron_lora.training.run import TrainSetupError
+    from megatron_lora.cli.train_run import TrainSetupError
 
     with pytest.raises(TrainSetupError) as exc:
         _setup(tiny, *extra)

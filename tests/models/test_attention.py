@@ -151,7 +151,7 @@ def test_cli_refuses_fused_and_te_combinations(capsys):
     from argparse import Namespace
 
     from megatron_lora.cli import main
-    from megatron_lora.training.run import _attention_backend_problems
+    from megatron_lora.cli.train_run import _attention_backend_problems
 
     code = main(["logits", "--load", "absent", "--tokens", "absent.json", "--out", "o.safetensors",
                  "--attention-backend", "fused"])

@@ -313,22 +313,16 @@ def _tokenizer(args, info, grow: bool = False):
         raise TrainSetupError(str(exc)) from None
 
 
-def resolved_config(args) -> dict:
-    """Every train flag's final value (plain data, cli/run_config.py): saved as run_config.yaml
-    next to each checkpoint, usable as --config."""
-    from megatron_lora.cli import train as train_cli
-    from megatron_lora.cli.run_config import resolved
-
-    return resolved(train_cli.parser(), args)
-
-
 def _say(rank0: bool, text: str) -> None:
     if rank0:
         print(text, flush=True)
 
 
-def run_training(args) -> int:
-    """`megatron-lora train` on this rank: checks (no collective), then _train."""
+def run_training(args, run_config: dict) -> int:
+    """`megatron-lora train` on this rank: checks (no collective), then _train.
+
+    run_config: every train flag's final value (plain data, cli/run_config.py `resolved`), saved
+    as run_config.yaml next to each checkpoint, usable as --config."""
     from megatron_lora.cli.common import layout_from_args, torchrun_env_defaults
     from megatron_lora.training import interrupt
 
@@ -349,7 +343,7 @@ def run_training(args) -> int:
             progress.iteration = read_tracker(args.save) or 0  # a resume starts there
         try:
             return _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
-                          initial, progress)
+                          initial, progress, run_config)
         finally:
             if initial is not None:
                 initial.cleanup()
@@ -362,7 +356,7 @@ def run_training(args) -> int:
 
 
 def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats, initial,
-           progress=None) -> int:
+           progress, run_config: dict) -> int:
     import torch.distributed as dist
 
     from megatron_lora import runtime
@@ -419,7 +413,7 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
                 "num_experts": info.shape.num_experts,
                 # Not compared on resume (training/resume.py): this run's flags, written as
                 # run_config.yaml into each checkpoint (training/checkpoint.py).
-                "run_config": resolved_config(args)}
+                "run_config": run_config}
     start = time.monotonic()
     try:
         result = train([model], train_set, run, optim, layout_name=layout.describe(),

@@ -120,11 +120,15 @@ def problems(root: str) -> List[str]:
 
 
 def main() -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # also via a link
+    if not modules(root):
+        print(f"no {PACKAGE} package under {root}")
+        return 1
     found = problems(root)
     for line in found:
         print(line)
-    print("layering ok" if not found else f"{len(found)} layering problem(s)")
+    print(f"layering ok ({len(modules(root))} modules)" if not found
+          else f"{len(found)} layering problem(s)")
     return 1 if found else 0
 
 

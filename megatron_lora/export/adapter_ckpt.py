@@ -41,7 +41,8 @@ from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 from megatron_lora.convert.dcp_write import write_torch_dist
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.mapping import Chunk, McoreTensor
-from megatron_lora.export.table import KINDS, Kind, factor_shapes, magnitude_shape, sites
+from megatron_lora.export.table import (KINDS, Kind, factor_shapes, magnitude_shape, model_kinds,
+                                        sites)
 from megatron_lora.jsonfile import reason
 from megatron_lora.lora.model import LoraConfig
 from megatron_lora.families import ModelInfo
@@ -140,9 +141,10 @@ class AdapterCheckpoint:
 
     def _check_tensors(self) -> Dict[str, int]:
         keys = {k for k in self.ckpt.tensors if not k.startswith("optimizer.")}
-        known = {k.a_key: k for k in KINDS} | {k.b_key: k for k in KINDS}
+        kinds = model_kinds(self.info)
+        known = {k.a_key: k for k in kinds} | {k.b_key: k for k in kinds}
         if self.config.use_dora:  # DoRA magnitudes, one per factor pair
-            known |= {k.m_key: k for k in KINDS}
+            known |= {k.m_key: k for k in kinds}
         tokens = self.config.trainable_token_indices
         if tokens:
             known |= {key: None for key in TOKEN_KEYS.values()}
@@ -158,10 +160,10 @@ class AdapterCheckpoint:
                                           f"{list(want)}")
         unknown = sorted(keys - set(known))
         if unknown:
-            raise ConversionError(f"{self.directory}: tensors that are not Mixtral LoRA factors "
-                                  f"this exporter knows: {unknown[:5]}")
+            raise ConversionError(f"{self.directory}: tensors that are not LoRA factors of this "
+                                  f"model: {unknown[:5]}")
         ranks = {}
-        for kind in KINDS:
+        for kind in kinds:
             has = [key in keys for key in (kind.a_key, kind.b_key)]
             if not any(has):
                 continue

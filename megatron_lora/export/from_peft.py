@@ -52,8 +52,8 @@ from megatron_lora.convert.errors import ConversionError
 from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
 from megatron_lora.export.peft_config import PeftPrefix, alpha_for, read_adapter_config
 from megatron_lora.export.peft_file import PeftAdapterFile
-from megatron_lora.export.table import (KIND_PATTERN, KINDS, Site, factor_shapes, fuse_rows,
-                                        hf_short, sites)
+from megatron_lora.export.table import (KIND_BY_NAME, KIND_PATTERN, KINDS, Site, factor_shapes,
+                                        fuse_rows, hf_short, model_kinds, sites)
 from megatron_lora.families import read_hf_config
 from megatron_lora.lora.model import LoraConfig
 
@@ -199,7 +199,9 @@ def _lora_config(info, ranks: Dict[str, int], site_scales: Dict[str, Tuple[str, 
         if len(vals) == 1 and next(iter(vals)) != default_alpha:
             alpha_pattern[KIND_PATTERN[kind]] = next(iter(vals))
     config = LoraConfig(r=default_r, lora_alpha=default_alpha, lora_dropout=dropout,
-                        target_modules=list(ranks), use_rslora=use_rslora,
+                        target_modules=[k.target_kind for k in KINDS if k.name in ranks
+                                        and k.target == ""],
+                        use_rslora=use_rslora,
                         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, use_dora=use_dora)
     for name, (kind, s) in site_scales.items():
         got = config.adapter_config(name)
@@ -237,7 +239,8 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
     plans: Dict[str, List[Tuple[Site, Optional[SitePlan]]]] = {}
     ranks: Dict[str, int] = {}
     notes: List[str] = []
-    for kind in KINDS:
+    kinds = model_kinds(info)
+    for kind in kinds:
         entries = [(s, _plan(pf, s)) for s in sites(info, kind)]
         if all(p is None for _, p in entries):
             continue
@@ -255,11 +258,19 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
                 notes += p.notes
                 if p.rank < rank:
                     notes.append(f"{s.name}: rank {p.rank} zero-padded to {rank}")
+    scale_of = {k: next(p.scale for _, p in entries if p is not None)
+                for k, entries in plans.items()}
+    for kind in kinds:  # a target kind covers all its table kinds (routed and shared experts)
+        sibling = next((k for k in plans if KIND_BY_NAME[k].target_kind == kind.target_kind),
+                       None)
+        if kind.name not in plans and sibling is not None:
+            plans[kind.name] = [(s, None) for s in sites(info, kind)]
+            ranks[kind.name], scale_of[kind.name] = ranks[sibling], scale_of[sibling]
+            notes.append(f"{kind.name}: not in the adapter, zero factors")
     site_scales = {}
     for kind, entries in plans.items():
-        present = [p.scale for _, p in entries if p is not None]
         for s, p in entries:
-            site_scales[s.name] = (kind, p.scale if p is not None else present[0])
+            site_scales[s.name] = (kind, p.scale if p is not None else scale_of[kind])
     if cfg.use_dora:
         _check_dora_cover(pf, plans)
     config = _lora_config(info, ranks, site_scales, cfg.use_rslora, 0.0, cfg.use_dora)

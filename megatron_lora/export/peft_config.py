@@ -295,11 +295,12 @@ def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_m
                         rank_pattern: Dict[str, int], alpha_pattern: Dict[str, float],
                         lora_dropout: float = 0.0, base_model: Optional[str] = None,
                         use_dora: bool = False, trainable_token_indices=None,
-                        family) -> dict:
+                        family, target_parameters=()) -> dict:
     """A complete PEFT LoRA adapter_config.json for a per-expert adapter of a `family` model.
 
-    trainable_token_indices: PEFT's {module name: [token ids]} (embed_tokens, lm_head), or None."""
-    return {
+    trainable_token_indices: PEFT's {module name: [token ids]} (embed_tokens, lm_head), or None.
+    target_parameters: PEFT's parameter targets (export/peft_fused.py), written only when given."""
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "auto_mapping": {"base_model_class": family.base_model_class,
@@ -324,6 +325,9 @@ def adapter_config_dict(*, r: int, lora_alpha: float, use_rslora: bool, target_m
         "layers_to_transform": None,
         "layers_pattern": None,
     }
+    if target_parameters:
+        config["target_parameters"] = list(target_parameters)
+    return config
 
 
 def prefix_config_dict(*, num_virtual_tokens: int, token_dim: int, num_attention_heads: int,

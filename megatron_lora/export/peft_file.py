@@ -136,6 +136,8 @@ class _ModuleNames:
         self.experts = re.compile(f"^{_template(self.expert)}("
                                   f"{'|'.join(mod(w) for w in (n.expert_gate, n.expert_up, n.expert_down))})$")
         self.gate = re.compile(f"^{_template(self.router[: -len('.weight')])}$")
+        self.shared = re.compile(f"^{_template(n.layer + n.shared_expert)}("
+                                 f"{'|'.join(mod(w) for w in (n.expert_gate, n.expert_up, n.expert_down))})$")
         self.attn_names = ", ".join(w[: -len(".weight")].rsplit(".", 1)[-1]
                                     for w in (n.q, n.k, n.v, n.o))
 
@@ -321,6 +323,9 @@ class PeftAdapterFile:
         elif (m := mn.experts.match(on_disk)):
             self._layer(a_key, m.group(1), m.group(2))
             canonical = mn.expert.format(l=m.group(1), e=m.group(2)) + m.group(3)
+        elif (m := mn.shared.match(module)):  # a shared expert: plain linears
+            self._layer(a_key, m.group(1))
+            canonical = module
         elif (m := mn.gate.match(on_disk)):
             self._layer(a_key, m.group(1))
             canonical = mn.router.format(l=m.group(1))[: -len(".weight")]

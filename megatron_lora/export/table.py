@@ -17,6 +17,11 @@ and experts as leading axes, global expert index; `lead` = number of leading axe
 | router       | decoder.layers.mlp.router.lora.lora_A [L, r, h]      | ...lora_B [L, E, r]             |
 | embedding    | embedding.word_embeddings.lora_A [r, Vp]  | ...lora_B [h, r]           |
 | output_layer | output_layer.lora_A [r, h]                | output_layer.lora_B [Vp, r] |
+| shared_fc1   | decoder.layers.mlp.shared_experts.linear_fc1.lora_A [L, r, h] | ...lora_B [L, 2fs, r] |
+| shared_fc2   | decoder.layers.mlp.shared_experts.linear_fc2.lora_A [L, r, fs] | ...lora_B [L, h, r] |
+
+The shared experts' adapters (families with a shared expert) are LoRA target kinds linear_fc1 /
+linear_fc2 like the routed experts' (`Kind.target`), checkpointed as their own stacked tensors.
 
 HF PEFT side (per-expert layout; module names from the family, Mixtral's shown; keys `base_model.model.{module}.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]; the embedding `base_model.model.model.embed_tokens.lora_embedding_A`
@@ -49,6 +54,11 @@ class Kind:
     base_key: str
     prefix: str  # checkpoint keys are prefix + "lora_A" / "lora_B"
     lead: int  # leading (layer, expert) axes of the stacked checkpoint tensors
+    target: str = ""  # the LoraConfig target kind it belongs to ("" = its name)
+
+    @property
+    def target_kind(self) -> str:
+        return self.target or self.name
 
     @property
     def a_key(self) -> str:
@@ -76,6 +86,10 @@ KINDS: Tuple[Kind, ...] = (
     Kind("linear_fc2", "decoder.layers.mlp.experts.experts.linear_fc2.weight",
          "decoder.layers.mlp.experts.experts.linear_fc2.", 2),
     Kind("output_layer", "output_layer.weight", "output_layer.", 0),
+    Kind("shared_fc1", "decoder.layers.mlp.shared_experts.linear_fc1.weight",
+         "decoder.layers.mlp.shared_experts.linear_fc1.", 1, "linear_fc1"),
+    Kind("shared_fc2", "decoder.layers.mlp.shared_experts.linear_fc2.weight",
+         "decoder.layers.mlp.shared_experts.linear_fc2.", 1, "linear_fc2"),
 )
 KIND_BY_NAME: Dict[str, Kind] = {k.name: k for k in KINDS}
 # re.search patterns selecting one kind among megatron's global adapter names (LoraConfig patterns)
@@ -87,6 +101,8 @@ KIND_PATTERN: Dict[str, str] = {
     "linear_fc1": r"experts\.\d+\.linear_fc1$",
     "linear_fc2": r"experts\.\d+\.linear_fc2$",
     "output_layer": r"^output_layer$",
+    "shared_fc1": r"shared_experts\.linear_fc1$",
+    "shared_fc2": r"shared_experts\.linear_fc2$",
 }
 
 
@@ -101,7 +117,7 @@ def short_name(module: str) -> str:
 
 def hf_short(info: ModelInfo, kind: Kind) -> Tuple[str, ...]:
     """PEFT `target_modules` names of `kind` in `info`'s family (`q_proj`, `w1`, ...)."""
-    return info.family.names.kind_modules()[kind.name]
+    return info.family.names.kind_modules()[kind.target_kind]
 
 
 @dataclass(frozen=True)
@@ -146,7 +162,15 @@ def _global_name(kind: str, index: Tuple[int, ...]) -> str:
         "router": f"{layer}.mlp.router",
         "linear_fc1": f"{layer}.mlp.experts.{index[-1]}.linear_fc1",
         "linear_fc2": f"{layer}.mlp.experts.{index[-1]}.linear_fc2",
+        "shared_fc1": f"{layer}.mlp.shared_experts.linear_fc1",
+        "shared_fc2": f"{layer}.mlp.shared_experts.linear_fc2",
     }[kind]
+
+
+def model_kinds(info: ModelInfo) -> Tuple[Kind, ...]:
+    """The kinds whose base weight `info`'s model has (shared experts only where it has them)."""
+    keys = {t.key for t in mcore_tensors(info)}
+    return tuple(k for k in KINDS if k.base_key in keys)
 
 
 def sites(info: ModelInfo, kind: Kind) -> List[Site]:

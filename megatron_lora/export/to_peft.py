@@ -36,9 +36,12 @@ import re
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from megatron_lora.convert.atomic import atomic_directory
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.safetensors_write import StreamingSafetensorsWriter
+from megatron_lora.export import peft_fused
 from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 from megatron_lora.export.peft_config import (
     CONFIG_NAME,
@@ -80,6 +83,21 @@ def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float], 
     return rank_p, alpha_p
 
 
+def _target_name(names, module: str) -> str:
+    """PEFT's target_modules entry of an HF module: its short name, with the shared expert's
+    parent (`shared_expert.gate_proj`) so that it names the shared expert alone."""
+    shared = names.shared_expert.rstrip(".").rsplit(".", 1)[-1]
+    parts = module.split(".")
+    if len(parts) > 1 and parts[-2] == shared:
+        return f"{shared}.{parts[-1]}"
+    return parts[-1]
+
+
+def _rank(order, target: str) -> tuple:
+    """Sort key: the family's module order; shared-expert names after the routed ones."""
+    return (target.count("."), order.index(target.rsplit(".", 1)[-1]))
+
+
 def _default(values: Dict[str, Tuple[int, float]], expert_gate: str) -> Tuple[int, float]:
     # transformers 5 fuses w1/w3 into gate_up_proj with PEFT's global r and lora_alpha (it ignores
     # patterns there), so the experts' values are the defaults when they are targeted.
@@ -103,7 +121,15 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     if ckpt.config.num_virtual_tokens:
         return _export_prefix(ckpt, info, save, overwrite, base_model, notes)
     dora = ckpt.config.use_dora
-    experts = [k.name for k in ckpt.kinds() if k.name in ("linear_fc1", "linear_fc2")]
+    experts = [k.name for k in ckpt.kinds() if k.target_kind in ("linear_fc1", "linear_fc2")]
+    fused = info.family.peft_fused_experts
+    kinds = {k.name for k in ckpt.kinds()}
+    if {"shared_fc1", "shared_fc2"} & kinds and not fused:
+        raise ConversionError(
+            f"{adapter}: PEFT moves every target ending in gate_proj / up_proj / down_proj of a "
+            f"{info.family.base_model_class} onto its fused routed experts, so the shared "
+            f"expert's adapters would load as nothing; export the merged model instead "
+            f"(megatron-lora export hf --merge)")
     if dora and experts:
         raise ConversionError(
             f"{adapter}: a DoRA adapter (trained with --lora-use-dora) on the experts "
@@ -119,6 +145,14 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
         for site in sites(info, kind):
             r, alpha, _ = ckpt.scaling(site)
             plan.append(site)
+            if fused and kind.name in peft_fused.ROUTED:  # one [E r, in] / [out, E r] pair a layer
+                values.update({m: (r, alpha) for m in site.modules()})
+                if site.index[1] == 0:
+                    a_key, b_key = peft_fused.keys(info.family.names, site.index[0], kind.name,
+                                                   kinds)
+                    a_shape, b_shape = peft_fused.shapes(info, kind.name, r)
+                    entries += [(a_key, a_shape, ckpt.dtype), (b_key, b_shape, ckpt.dtype)]
+                continue
             for part in site.parts:
                 for name, (rows, cols) in part.source.hf_shapes().items():
                     module = module_of(name)
@@ -135,7 +169,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     names = info.family.names
     gate = names.kind_modules()["linear_fc1"][0]
     use_rslora = ckpt.config.use_rslora
-    if use_rslora and any(short_name(m) == gate for m in values):
+    if use_rslora and not fused and any(short_name(m) == gate for m in values):
         # transformers 5 fuses the experts' gate and up projections into gate_up_proj, which
         # PEFT adapts with r and lora_alpha doubled: that keeps alpha / r but not rsLoRA's
         # alpha / sqrt(r) (PEFT would scale gate/up by sqrt(2) too much). Plain LoRA with alpha
@@ -148,22 +182,47 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                          f"up adapters doubling r and lora_alpha, which changes an rsLoRA scale")
     default = _default(values, gate)
     order = names.peft_order()
-    rank_p, alpha_p = _patterns(values, default, order)
-    shorts = sorted({short_name(m) for m in values}, key=order.index)
-    dropout, changed = inference_dropout(ckpt.config.lora_dropout, shorts,
-                                         names.parameter_modules())
+    parameters = []
+    if fused:  # router and routed experts: target_parameters, one (r, alpha) for all experts
+        routed = [m for s in plan if s.kind.name in peft_fused.ROUTED for m in s.modules()]
+        if routed and peft_fused.check_uniform(values, routed, "gate_up_proj / down_proj") \
+                != default:
+            raise ConversionError(f"{adapter}: the routed experts' (rank, alpha) differ from the "
+                                  f"adapter's default; PEFT's fused experts take the global r and "
+                                  f"lora_alpha")
+        parameters = peft_fused.target_parameters(names, kinds)
+        wrapped = set(routed) | {m for s in plan if s.kind.name == "router" for m in s.modules()}
+        plain = {m: v for m, v in values.items() if m not in wrapped}
+    else:
+        plain = values
+    rank_p, alpha_p = _patterns(plain, default, order)
+    shorts = sorted({_target_name(names, m) for m in plain}, key=lambda t: _rank(order, t))
+    dropout, changed = inference_dropout(
+        ckpt.config.lora_dropout, shorts + [short_name(m) for m in values if m not in plain],
+        names.parameter_modules())
     if notes is not None:
         notes.extend(changed)
     config = adapter_config_dict(
         r=default[0], lora_alpha=default[1], use_rslora=use_rslora,
         target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
         lora_dropout=dropout, base_model=base_model, use_dora=dora, family=info.family,
+        target_parameters=parameters,
         trainable_token_indices={m: tokens for m in TOKEN_MODULES} if tokens else None)
     with atomic_directory(save, overwrite) as tmp:
         with StreamingSafetensorsWriter(os.path.join(tmp, WEIGHTS_NAME), entries) as w:
+            layer_factors: List[Tuple[torch.Tensor, torch.Tensor]] = []
             for site in plan:
                 a, b = ckpt.factors(site)
                 m = ckpt.magnitude(site) if dora else None
+                if fused and site.kind.name in peft_fused.ROUTED:
+                    layer_factors.append((a, b))
+                    if len(layer_factors) == info.shape.num_experts:  # the layer's last expert
+                        for key, t in zip(peft_fused.keys(names, site.index[0], site.kind.name,
+                                                          kinds),
+                                          peft_fused.stack(layer_factors)):
+                            w.write(key, t)
+                        layer_factors = []
+                    continue
                 if site.kind.name == "embedding":
                     vocab = info.vocab_size
                     module = site.modules()[0]

@@ -82,6 +82,9 @@ class Family:
     experts_field / ffn_field: the config fields giving the expert count and the expert FFN size
         (for messages that say which field a size comes from).
     transformers_module: the transformers module defining its model (PEFT's `parent_library`).
+    peft_fused_experts: PEFT (0.21, on transformers 5) takes this family's router and routed-
+        expert adapters only as `target_parameters` on the fused parameters (export/peft_fused.py);
+        False: PEFT maps per-expert module names onto them itself (Mixtral, the Qwen3-MoE pattern).
     module_aliases: (in-memory name part, on-disk name part) pairs: PEFT adapters saved against
         transformers 5's modules name them by the in-memory path (Mixtral: `.mlp.` for
         `.block_sparse_moe.`); import reads both.
@@ -97,6 +100,7 @@ class Family:
     ffn_field: str
     transformers_module: str
     module_aliases: Tuple[Tuple[str, str], ...] = ()
+    peft_fused_experts: bool = False
     refuses: Tuple[str, ...] = ()
 
     @property
@@ -149,6 +153,7 @@ class ModelInfo:
             num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups,
             kv_channels=self.head_dim, ffn_hidden_size=s.ffn_hidden_size,
             moe_ffn_hidden_size=s.ffn_hidden_size, num_moe_experts=s.num_experts,
+            moe_shared_expert_intermediate_size=s.shared_expert_ffn_hidden_size,
             gated_linear_unit=True)
 
     def layout_problems(self, layout: ParallelLayout, world_size: int,

@@ -58,6 +58,9 @@ QWEN2_MOE = Family(
     experts_field="num_experts",
     ffn_field="moe_intermediate_size",
     transformers_module="transformers.models.qwen2_moe.modeling_qwen2_moe",
+    # PEFT 0.21 maps per-expert names onto transformers 5's fused experts for the models that
+    # share Qwen2-MoE's layout (qwen3_moe, olmoe, ...) but not for qwen2_moe itself.
+    peft_fused_experts=True,
     refuses=("hidden_act other than silu", "scaled RoPE",
              "use_sliding_window true with sliding_window smaller than max_position_embeddings",
              "mlp_only_layers non-empty or decoder_sparse_step > 1 (dense layers)",

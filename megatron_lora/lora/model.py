@@ -205,6 +205,10 @@ def _sites(model) -> List[Tuple[str, str, torch.nn.Module, str]]:
             sites.append(("router", f"{prefix}.mlp.router", mlp, "router"))
             for kind in ("linear_fc1", "linear_fc2"):
                 sites.append((kind, f"{prefix}.mlp.experts", mlp, "experts"))
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None:  # a dense MLP beside the routed experts: its own adapters
+                for kind in ("linear_fc1", "linear_fc2"):
+                    sites.append((kind, f"{prefix}.mlp.shared_experts.{kind}", shared, kind))
         else:
             sites.append(("linear_fc1", f"{prefix}.mlp.linear_fc1", mlp, "linear_fc1"))
             sites.append(("linear_fc2", f"{prefix}.mlp.linear_fc2", mlp, "linear_fc2"))

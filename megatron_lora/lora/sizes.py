@@ -67,10 +67,10 @@ def config_problems(config, sizes, vocab_size: int, *, rank_name: str = "LoraCon
                 f"are {', '.join(available)}"]
     problems = _unmatched_pattern_problems(config, sizes, pattern_name, alpha_pattern_name,
                                            targets_name)
-    for kind in config.target_modules:
-        (n_in, what_in), (n_out, what_out) = _features(sizes, kind, vocab_size)
+    for kind, names, ((n_in, what_in), (n_out, what_out)) in _stacks(sizes, config.target_modules,
+                                                                     vocab_size):
         limit = min(n_in, n_out)
-        ranks = {config.adapter_config(n).rank for n in _global_names(kind, sizes)}
+        ranks = {config.adapter_config(n).rank for n in names}
         too_big = sorted(r for r in ranks if r > limit)
         if too_big:
             source = rank_name if too_big[-1] == config.r else f"{rank_name} or {pattern_name}"
@@ -97,7 +97,35 @@ def _unmatched_pattern_problems(config, sizes, pattern_name: str,
     return problems
 
 
-def _global_names(kind: str, tconf) -> List[str]:
+def _shared_ffn(tconf) -> int:
+    """The shared expert's FFN size (megatron's moe_shared_expert_intermediate_size), or 0."""
+    return (getattr(tconf, "moe_shared_expert_intermediate_size", None) or 0) \
+        if tconf.num_moe_experts else 0
+
+
+def _shared_names(kind: str, tconf) -> List[str]:
+    if kind not in ("linear_fc1", "linear_fc2") or not _shared_ffn(tconf):
+        return []
+    return [f"decoder.layers.{l}.mlp.shared_experts.{kind}" for l in range(tconf.num_layers)]
+
+
+def _stacks(tconf, kinds, vocab_size: int):
+    """(kind, global names, features) of every group of adapters checkpointed as one stacked
+    tensor: a kind's routed (or dense) adapters, and the shared experts' of fc1 / fc2."""
+    for kind in kinds:
+        yield kind, _global_names(kind, tconf, shared=False), _features(tconf, kind, vocab_size)
+        shared = _shared_names(kind, tconf)
+        if shared:
+            fs = _shared_ffn(tconf)
+            hid, inter = (tconf.hidden_size, "hidden size"), (fs, "shared expert ffn size")
+            fc1 = (2 * fs if tconf.gated_linear_unit else fs, "shared expert fc1 rows")
+            yield kind, shared, ((hid, fc1) if kind == "linear_fc1" else (inter, hid))
+
+
+def _global_names(kind: str, tconf, shared: bool = True) -> List[str]:
+    """Global adapter names of `kind` (with the shared experts' unless shared=False)."""
+    if shared:
+        return _global_names(kind, tconf, shared=False) + _shared_names(kind, tconf)
     layers = range(tconf.num_layers)
     if kind in ("embedding", "output_layer"):
         return [kind]
@@ -118,11 +146,14 @@ def _rank_consistency_problems(config, tconf,
     between layers or experts of one kind."""
     problems = []
     for kind in config.target_modules:
-        ranks = {config.adapter_config(n).rank for n in _global_names(kind, tconf)}
-        if len(ranks) > 1:
-            problems.append(f"{pattern_name} gives the {kind} adapters different ranks "
-                            f"{sorted(ranks)} across layers or experts; adapters of one kind share "
-                            f"one rank (they are checkpointed stacked over layers and experts)")
+        for what, names in (("", _global_names(kind, tconf, shared=False)),
+                            ("shared-expert ", _shared_names(kind, tconf))):
+            ranks = {config.adapter_config(n).rank for n in names}
+            if len(ranks) > 1:
+                problems.append(
+                    f"{pattern_name} gives the {what}{kind} adapters different ranks "
+                    f"{sorted(ranks)} across layers or experts; adapters of one kind share one "
+                    f"rank (they are checkpointed stacked over layers and experts)")
     return problems
 
 

@@ -84,7 +84,8 @@ def shape_sizes(shape: ModelShape) -> SimpleNamespace:
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.head_dim,
         ffn_hidden_size=shape.ffn_hidden_size, moe_ffn_hidden_size=shape.ffn_hidden_size,
-        num_moe_experts=shape.num_experts, gated_linear_unit=True)
+        num_moe_experts=shape.num_experts, gated_linear_unit=True,
+        moe_shared_expert_intermediate_size=shape.shared_expert_ffn_hidden_size)
 
 
 def _in_out(sizes, kind: str, vocab: int) -> Tuple[int, int]:
@@ -100,6 +101,8 @@ def active_linear_macs(shape: ModelShape) -> int:
     mlp = sum(a * b for a, b in (_in_out(sizes, k, v) for k in _EXPERT_KINDS))
     if shape.num_experts:
         per_layer += shape.hidden_size * shape.num_experts + shape.moe_router_topk * mlp
+        fs = shape.shared_expert_ffn_hidden_size or 0  # every token: SwiGLU fc1, fc2, its gate
+        per_layer += 3 * fs * shape.hidden_size + shape.hidden_size * shape.shared_expert_gate
     else:
         per_layer += mlp
     return shape.num_layers * per_layer + shape.hidden_size * v
@@ -128,6 +131,11 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
         n_in, n_out = _in_out(sizes, kind, v)
         params = r * h if kind == "embedding" else r * (n_in + n_out)
         per_token += 6 * params * _visits(shape, kind)
+        fs = shape.shared_expert_ffn_hidden_size
+        if kind in _EXPERT_KINDS and shape.num_experts and fs:  # the shared expert's adapters
+            rows = 2 * fs if kind == "linear_fc1" else h
+            cols = h if kind == "linear_fc1" else fs
+            per_token += 6 * r * (rows + cols) * shape.num_layers
         if lora.use_dora:
             adapters = len(_global_names(kind, sizes))  # every expert's norm, visited or not
             per_forward += 2 * n_out * n_in * (r + 1) * adapters

@@ -120,9 +120,16 @@ def text_data(path: str) -> str:
     return path
 
 
-def train_and_export(paths: dict, hf: str, targets, port: int, extra=()) -> dict:
-    """The same LoRA run (3 steps, dropout 0.1, rsLoRA) at 1 rank (`run1`) and PP2xEP2 (`run4`);
-    the PEFT export of run4 (`peft`) and `logits --adapter` of it at TP2+SP (`logits`)."""
+PP2_EP2 = ("run4", ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4)
+TP2_EP2_SP = ("run_tp", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                         "--sequence-parallel"], 4)
+
+
+def train_and_export(paths: dict, hf: str, targets, port: int, extra=(),
+                     layouts=(PP2_EP2,)) -> dict:
+    """The same LoRA run (3 steps, dropout 0.1, rsLoRA) at 1 rank (`run1`) and at each of
+    `layouts` (PP2xEP2: `run4`); the PEFT export of run4 (`peft`) and `logits --adapter` of it at
+    TP2+SP (`logits`)."""
     from megatron_lora.export.to_peft import export_peft
     from tests.data.tiny_tokenizers import mistral_folder
 
@@ -133,9 +140,7 @@ def train_and_export(paths: dict, hf: str, targets, port: int, extra=()) -> dict
             "--seq-length", "16", "--global-batch-size", "4", "--train-iters", "3", "--lr", "2e-2",
             "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--lora-use-rslora",
             "--lora-target-modules", *targets, "--seed", "3", "--log-interval", "1", *extra]
-    for name, flags, nproc in (("run1", [], 1),
-                               ("run4", ["--pipeline-model-parallel-size", "2",
-                                         "--expert-model-parallel-size", "2"], 4)):
+    for name, flags, nproc in (("run1", [], 1), *layouts):
         out[name] = os.path.join(root, name)
         run(*args, *flags, "--save", out[name], nproc=nproc, port=port)
     out["peft"] = os.path.join(root, "peft")
@@ -156,18 +161,23 @@ def adapter_tensors(run_dir: str) -> dict:
             if not k.startswith("optimizer.")}
 
 
-def check_training_parity(trained: dict) -> dict:
-    """PP2xEP2 gives the one-rank losses (rel 1e-5) and adapter; returns the adapter tensors."""
+def check_training_parity(trained: dict, run: str = "run4") -> dict:
+    """The run at another layout (`run`) gives the one-rank losses (rel 1e-5) and adapter;
+    returns the adapter tensors."""
+    import pytest
+
     from megatron_lora.training.logging import read_metrics
 
     losses = [[r["lm loss"] for r in read_metrics(os.path.join(trained[name], "metrics.jsonl"))
-               if "lm loss" in r] for name in ("run1", "run4")]
+               if "lm loss" in r] for name in ("run1", run)]
     assert len(losses[0]) == 3 and losses[0][-1] < losses[0][0], losses
-    assert losses[1] == __import__("pytest").approx(losses[0], rel=1e-5)
-    one, four = adapter_tensors(trained["run1"]), adapter_tensors(trained["run4"])
-    assert sorted(one) == sorted(four)
-    for key in one:  # Adam's steps are 2e-2 each: 1e-5 is 5e-4 of one step
-        torch.testing.assert_close(four[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    one, other = adapter_tensors(trained["run1"]), adapter_tensors(trained[run])
+    assert sorted(one) == sorted(other)
+    # Adam's steps are 2e-2 each, and it divides by the gradient's size: where a gradient is
+    # tiny its summation order (TP's all-reduce) moves the step; 5e-5 is 2.5e-3 of one step
+    for key in one:
+        torch.testing.assert_close(other[key], one[key], rtol=1e-4, atol=5e-5, msg=key)
     return one
 
 

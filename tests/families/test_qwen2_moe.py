@@ -99,3 +99,61 @@ def test_round_trip_is_bit_identical(qwen2, tmp_path):
 def test_logits_match_transformers(layout, grouped, world_size, qwen2):
     F.logits_at_layout(layout=layout, grouped=grouped, world_size=world_size, paths=qwen2,
                        variants=list(VARIANTS))
+
+
+# ---- LoRA, the shared expert's included ----
+
+TARGETS = ["linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2", "embedding",
+           "output_layer"]
+
+
+@pytest.fixture(scope="module")
+def trained(qwen2):
+    return F.train_and_export(qwen2, qwen2["hf"], TARGETS, port=29631,
+                              layouts=(F.PP2_EP2, F.TP2_EP2_SP))
+
+
+@pytest.mark.parametrize("run", ["run4", "run_tp"], ids=["PP2xEP2", "TP2xEP2+SP"])
+def test_training_at_another_layout_is_the_one_rank_run(trained, run):
+    adapter = F.check_training_parity(trained, run)
+    shared = sorted(k for k in adapter if "shared_experts" in k)
+    assert shared == [f"decoder.layers.mlp.shared_experts.linear_fc{i}.lora_{ab}"
+                      for i in (1, 2) for ab in "AB"], shared
+    assert all(adapter[k].abs().max() > 0 for k in shared)
+
+
+def test_peft_export_loads_in_transformers_with_our_logits(trained):
+    config = F.check_peft_logits(trained)
+    assert config["auto_mapping"]["base_model_class"] == "Qwen2MoeForCausalLM"
+    # transformers 5 keeps Qwen2-MoE's experts fused and PEFT does not map per-expert names for
+    # it: router and routed experts are parameters, the shared expert named apart from them
+    assert config["target_parameters"] == ["mlp.gate.weight", "mlp.experts.gate_up_proj",
+                                           "mlp.experts.down_proj"]
+    assert sorted(config["target_modules"]) == sorted(
+        ["embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
+         "shared_expert.up_proj", "shared_expert.down_proj", "lm_head"])
+    assert config["use_rslora"] is True and config["lora_dropout"] == 0.0
+
+
+def test_import_of_the_export_is_bit_identical(trained, tmp_path):
+    F.check_import_is_bit_identical(trained, str(tmp_path / "back"))
+
+
+def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
+    F.check_generate(trained, str(tmp_path), port=29633)
+
+
+def test_shared_expert_rank_pattern_is_checked_apart_from_the_routed_experts():
+    from megatron_lora.lora.model import LoraConfig
+    from megatron_lora.lora.sizes import model_problems
+
+    info = model_info(CONFIG)
+    ok = LoraConfig(r=4, target_modules=["linear_fc1"], rank_pattern={"shared_experts": 2})
+    assert model_problems(ok, info) == []  # one stack each: routed at 4, shared at 2
+    bad = LoraConfig(r=4, target_modules=["linear_fc1"],
+                     rank_pattern={r"layers\.0\.mlp\.shared_experts": 2})
+    (msg,) = model_problems(bad, info)
+    assert "gives the shared-expert linear_fc1 adapters different ranks [2, 4]" in msg
+    big = LoraConfig(r=4, target_modules=["linear_fc2"], rank_pattern={"shared_experts": 48})
+    (msg,) = model_problems(big, info)
+    assert "exceeds min(in_features, out_features) = 40" in msg and "shared expert" in msg

@@ -1,0 +1,78 @@
+"""PEFT's layout for routed experts kept fused by transformers 5, adapted by `lora.ParamWrapper`
+through `target_parameters` (families with `Family.peft_fused_experts`).
+
+transformers 5 stores a layer's experts as 3-D parameters, `{experts}gate_up_proj` [E, 2f, h] (rows
+[gate; up], as megatron's fc1) and `{experts}down_proj` [E, h, f], and the router as a module with
+a bare `weight` [E, h]. For these PEFT takes adapters only as parameters:
+
+| megatron kind | target_parameters entry    | lora_A            | lora_B                      |
+|---------------|----------------------------|-------------------|-----------------------------|
+| linear_fc1    | mlp.experts.gate_up_proj   | [E r, h]          | [2f, E r]                   |
+| linear_fc2    | mlp.experts.down_proj      | [E r, f]          | [h, E r]                    |
+| router        | mlp.gate.weight            | [r, h]            | [E, r]                      |
+
+A's rows are expert-major (expert e's A is rows e r .. (e+1) r); B's column j is rank j // E of
+expert j % E (export/from_peft.py reads the same layout). With both expert parameters targeted
+PEFT nests the wrappers on one module: gate_up_proj (listed first) is `experts.base_layer`,
+down_proj is `experts`; with one, it is `experts`. Every expert shares the wrapper's r and alpha,
+so the routed experts must all have one rank and scale.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from megatron_lora.export.table import PEFT_PREFIX
+
+ROUTED = ("linear_fc1", "linear_fc2")
+_PARAM = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+
+
+def experts_module(names, layer: int) -> str:
+    """HF module path of layer `layer`'s fused experts (`model.layers.3.mlp.experts`)."""
+    return (names.layer + names.expert.split("{e}")[0]).format(l=layer).rstrip(".")
+
+
+def target_parameters(names, kinds) -> List[str]:
+    """target_parameters entries for the adapted kinds (router and routed experts), in the order
+    PEFT's nesting of the keys assumes."""
+    out = []
+    if "router" in kinds:
+        out.append(names.router)  # relative to the layer: `mlp.gate.weight`
+    experts = names.expert.split("{e}")[0]
+    out += [experts + _PARAM[k] for k in ROUTED if k in kinds]
+    return out
+
+
+def keys(names, layer: int, kind: str, kinds) -> Tuple[str, str]:
+    """(lora_A key, lora_B key) of one layer's fused `kind` adapter."""
+    module = experts_module(names, layer)
+    if kind == "linear_fc1" and "linear_fc2" in kinds:
+        module += ".base_layer"
+    return PEFT_PREFIX + module + ".lora_A.weight", PEFT_PREFIX + module + ".lora_B.weight"
+
+
+def stack(factors: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert (A_e [r, in], B_e [out, r]) in expert order -> PEFT's (A [E r, in], B [out, E r])."""
+    a = torch.cat([a for a, _ in factors], dim=0)
+    b = torch.stack([b for _, b in factors], dim=2)  # [out, r, E]: column j = (j // E, j % E)
+    return a.contiguous(), b.reshape(b.shape[0], -1).contiguous()
+
+
+def shapes(info, kind: str, rank: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    s = info.shape
+    E, h, f = s.num_experts, s.hidden_size, s.ffn_hidden_size
+    if kind == "linear_fc1":
+        return (E * rank, h), (2 * f, E * rank)
+    return (E * rank, f), (h, E * rank)
+
+
+def check_uniform(values: Dict[str, Tuple[int, float]], modules, what: str) -> Tuple[int, float]:
+    """The one (r, alpha) every routed expert module has; ValueError naming them otherwise."""
+    found = {values[m] for m in modules}
+    if len(found) != 1:
+        raise ValueError(f"the routed experts' adapters have different (rank, alpha) {sorted(found)}"
+                         f": PEFT's fused {what} takes one rank and alpha for all experts")
+    return found.pop()

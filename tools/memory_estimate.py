@@ -1,4 +1,4 @@
-"""Per-GPU memory estimate of LoRA fine-tuning a Mixtral-family model at a parallel layout.
+"""Per-GPU memory estimate of LoRA fine-tuning a model of any supported family at a layout.
 
     python tools/memory_estimate.py --hf-config Mixtral-8x7B-v0.1/config.json \
         --layouts TP2xEP4+SP TP1xEP8 PP2xEP4 TP2xPP2xEP2+SP --world 8 --seq 4096 --rank 16
@@ -24,30 +24,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: int,
              targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
              unfused_attention: bool = False, recompute: str = None) -> dict:
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    layers, experts, k = cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["num_experts_per_tok"]
-    vocab = -(-cfg["vocab_size"] // 128) * 128
-    d = h // heads
+    """Bytes per GPU by part for the config.json dict `cfg` of any supported family (its sizes as
+    megatron builds them: families.model_info; refused configs raise ModelConfigError)."""
+    from megatron_lora.families import model_info
+
+    s = model_info(cfg, source="--hf-config").shape
+    h, f = s.hidden_size, s.ffn_hidden_size
+    heads, kv = s.num_attention_heads, s.num_query_groups
+    layers, experts, k = s.num_layers, s.num_experts, s.moe_router_topk
+    vocab, d = s.vocab_size, s.head_dim
+    fs = s.shared_expert_ffn_hidden_size or 0  # a shared expert: a dense SwiGLU every token
     tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
     per_stage = layers // pp
     qkv = h * (heads + 2 * kv) * d
     attn = qkv + heads * d * h
     expert = 3 * h * f
-    dense_per_layer = attn + experts * h + 2 * h
+    dense_per_layer = attn + experts * h + 2 * h + 3 * h * fs + h * s.shared_expert_gate
     weights = (per_stage * dense_per_layer / tp + per_stage * experts * expert / (ep * etp)
                + vocab * h / tp * (2 if pp == 1 else 1)) * 2
     r = rank
     lora_dense = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
                   + ("linear_proj" in targets) * (r * heads * d + h * r))
-    lora_expert = ("linear_fc1" in targets) * (r * h + 2 * f * r) + ("linear_fc2" in targets) * (r * f + h * r)
+    fc1, fc2 = "linear_fc1" in targets, "linear_fc2" in targets
+    lora_expert = fc1 * (r * h + 2 * f * r) + fc2 * (r * f + h * r)
+    lora_dense += fc1 * (r * h + 2 * fs * r) * (fs > 0) + fc2 * (r * fs + h * r) * (fs > 0)
     adapter_params = per_stage * (lora_dense / tp + experts * lora_expert / (ep * etp))
-    act_layer = 2 * seq * micro_batch * h * (5 + 2 * k * (1 + 3 * f / h)) / tp
+    act_layer = 2 * seq * micro_batch * h * (5 + 2 * k * (1 + 3 * f / h)
+                                             + (1 + 3 * fs / h) * (fs > 0)) / tp
     if unfused_attention and recompute != "selective":
         # local spec: softmax input and output, [b, a/t, s, s] in bf16 each
         act_layer += 2 * 2 * micro_batch * heads * seq * seq / tp

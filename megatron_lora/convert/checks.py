@@ -51,8 +51,7 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         _ATTN + "linear_proj.weight": (layers, hid, (n * d, f"num_attention_heads={n}, "
                                                            f"head_dim={d}")),
         _MLP + "linear_fc1.layer_norm_weight": (layers, hid),
-        **({_ATTN + "q_layernorm.weight": (layers, (d, f"head_dim={d}")),
-            _ATTN + "k_layernorm.weight": (layers, (d, f"head_dim={d}"))} if s.qk_layernorm else {}),
+        **(_qk_norm_shapes(info, layers, heads) if s.qk_layernorm else {}),
         _MLP + "router.weight": (layers, experts, hid),
         _MLP + "experts.experts.linear_fc1.weight": (layers, experts, (2 * f, ffn[1]), hid),
         _MLP + "experts.experts.linear_fc2.weight": (layers, experts, hid, ffn),
@@ -70,6 +69,18 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
     if not s.tie_embeddings:
         out["output_layer.weight"] = (vocab, hid)
     return out
+
+
+def _qk_norm_shapes(info: ModelInfo, layers, heads: str) -> Dict[str, Dims]:
+    """The query/key norm weights: [d] per head, or the whole width ([n*d], [g*d])."""
+    s, d = info.shape, info.head_dim
+    qn, kn = s.qk_norm_widths()
+    if not s.qk_norm_full_width:
+        q = k = (d, f"head_dim={d}")
+    else:
+        q = (qn, f"num_attention_heads={s.num_attention_heads}, head_dim={d}")
+        k = (kn, f"{heads}, head_dim={d}")
+    return {_ATTN + "q_layernorm.weight": (layers, q), _ATTN + "k_layernorm.weight": (layers, k)}
 
 
 def checkpoint_problems(info: ModelInfo, directory: str, config_name: str) -> List[str]:
@@ -124,7 +135,9 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
     n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
     tp, etp = layout.tp, layout.expert_tp
     fs = s.shared_expert_ffn_hidden_size or 0
-    per_layer = (2 * h + 2 * d * s.qk_layernorm + _ceil((n + 2 * g) * d * h + h * n * d, tp)
+    qn, kn = s.qk_norm_widths()
+    norms = (_ceil(qn + kn, tp) if s.qk_norm_full_width else qn + kn) if s.qk_layernorm else 0
+    per_layer = (2 * h + norms + _ceil((n + 2 * g) * d * h + h * n * d, tp)
                  + _ceil((n + 2 * g) * d * s.add_qkv_bias, tp) + E * h
                  + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
                  + _ceil(3 * fs * h, tp) + h * s.shared_expert_gate)

@@ -19,6 +19,8 @@ Mixtral's.
 | model.layers.l.self_attn.{q,k,v}_proj.weight          | decoder.layers.self_attention.        |
 |   q [n*d, h], k and v [g*d, h]                        |   linear_qkv.weight [L, (n+2g)*d, h]  |
 |                                                       |   per query group j: [q heads of j; k_j; v_j] |
+| ...self_attn.{q,k}_norm.weight (qk_layernorm only)    | ...self_attention.{q,k}_layernorm.    |
+|   per head [d]; qk_norm_full_width: [n*d], [g*d]      |   weight [L, d] / [L, n*d], [L, g*d]  |
 | model.layers.l.self_attn.o_proj.weight [h, n*d]       | ...self_attention.linear_proj.weight  |
 | model.layers.l.post_attention_layernorm.weight [h]    | decoder.layers.mlp.linear_fc1.layer_norm_weight |
 | model.layers.l.block_sparse_moe.gate.weight [E, h]    | decoder.layers.mlp.router.weight      |
@@ -185,6 +187,7 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
     L, E, h, f, d = s.num_layers, s.num_experts, s.hidden_size, s.ffn_hidden_size, info.head_dim
     n, g = s.num_attention_heads, s.num_query_groups
     fs = s.shared_expert_ffn_hidden_size
+    qn, kn = s.qk_norm_widths()  # [d] per head, or [n*d] / [g*d] over the whole width
     out = [_vocab_tensor("embedding.word_embeddings.weight", info.family.names.embedding, info, dtype)]
     per_layer: Dict[str, List[Chunk]] = {}
 
@@ -209,8 +212,8 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
             bias = [p + w[: -len("weight")] + "bias" for w in (names.q, names.k, names.v)]
             layer(attn + "linear_qkv.bias", l, QKVBias(*bias, n, g, d))
         if s.qk_layernorm:
-            layer(attn + "q_layernorm.weight", l, Direct(p + names.q_norm, (d,)))
-            layer(attn + "k_layernorm.weight", l, Direct(p + names.k_norm, (d,)))
+            layer(attn + "q_layernorm.weight", l, Direct(p + names.q_norm, (qn,)))
+            layer(attn + "k_layernorm.weight", l, Direct(p + names.k_norm, (kn,)))
         layer(attn + "linear_proj.weight", l, Direct(p + names.o, (h, n * d)))
         layer(mlp + "linear_fc1.layer_norm_weight", l, Direct(p + names.post_attention_norm, (h,)))
         layer(mlp + "router.weight", l, Direct(p + names.router, (E, h)))
@@ -230,8 +233,8 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
         attn + "linear_qkv.layer_norm_weight": (L, h),
         attn + "linear_qkv.weight": (L, (n + 2 * g) * d, h),
         attn + "linear_qkv.bias": (L, (n + 2 * g) * d),
-        attn + "q_layernorm.weight": (L, d),
-        attn + "k_layernorm.weight": (L, d),
+        attn + "q_layernorm.weight": (L, qn),
+        attn + "k_layernorm.weight": (L, kn),
         attn + "linear_proj.weight": (L, h, n * d),
         mlp + "linear_fc1.layer_norm_weight": (L, h),
         mlp + "router.weight": (L, E, h),

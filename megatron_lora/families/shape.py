@@ -26,6 +26,8 @@ class ModelShape:
     kv_channels: the attention head dimension; None means hidden_size / num_attention_heads
     (then hidden_size must be a multiple of the head count).
     qk_layernorm: an RMSNorm over each query and key head ([d] weights) before RoPE.
+    qk_norm_full_width: with qk_layernorm, the query and key norms run over the whole projection
+    instead (OLMoE: one RMS over all n*d query channels, weight [n*d]; keys [g*d]).
     moe_router_pre_softmax: the routing weights are the softmax over all experts taken at the
     top-k (not renormalised: HF `norm_topk_prob: false`); False renormalises over the top-k.
     add_qkv_bias: biases on q, k and v (not on the output projection).
@@ -48,6 +50,7 @@ class ModelShape:
     tie_embeddings: bool = False
     kv_channels: Optional[int] = None
     qk_layernorm: bool = False
+    qk_norm_full_width: bool = False
     moe_router_pre_softmax: bool = False
     add_qkv_bias: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
@@ -71,6 +74,8 @@ class ModelShape:
                 f"ModelShape.num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_query_groups={self.num_query_groups}"
             )
+        if self.qk_norm_full_width and not self.qk_layernorm:
+            raise ValueError("ModelShape.qk_norm_full_width needs qk_layernorm")
         if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
             raise ValueError(
                 f"ModelShape.moe_router_topk={self.moe_router_topk} must be in "
@@ -81,6 +86,13 @@ class ModelShape:
     def head_dim(self) -> int:
         """Channels per attention head (megatron's kv_channels)."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def qk_norm_widths(self) -> tuple:
+        """Channels of the query and key norm weights: (d, d) per head, (n*d, g*d) full width."""
+        if self.qk_norm_full_width:
+            return (self.num_attention_heads * self.head_dim,
+                    self.num_query_groups * self.head_dim)
+        return (self.head_dim, self.head_dim)
 
     def layout_sizes(self) -> dict:
         """The sizes ParallelLayout.validate checks against."""

@@ -33,7 +33,7 @@ def default_grouped_experts() -> bool:
 
 def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = None,
                        attention_backend: Optional[str] = None,
-                       moe_grouped_gemm: Optional[bool] = None):
+                       moe_grouped_gemm: Optional[bool] = None, qk_norm_full_width: bool = False):
     """TransformerBlock spec for this pipeline stage.
 
     use_te: True requires Transformer Engine (TE linears fused with RMSNorm, TENorm final norm,
@@ -47,8 +47,10 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
     the local spec on CUDA (where torch._grouped_mm runs them), SequentialMLP on CPU (where the
     grouped loop measured 5-8% slower than SequentialMLP, docs/training.md) and with the TE
     spec; True with the TE spec is refused.
+    qk_norm_full_width: query/key norms over the whole projection (ModelShape.qk_norm_full_width,
+    OLMoE); both specs build them as models.qk_norm's modules (TE has only per-head norms).
     """
-    from megatron_lora.models.specs import core_attention_class, local_block_spec
+    from megatron_lora.models.specs import core_attention_class, local_block_spec, with_qk_norms
 
     core_attention_class(attention_backend)  # an unknown or unsupported name fails first
     if use_te is None:
@@ -56,7 +58,8 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
     if not use_te:
         return local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend,
                                 moe_grouped_gemm=default_grouped_experts()
-                                if moe_grouped_gemm is None else moe_grouped_gemm)
+                                if moe_grouped_gemm is None else moe_grouped_gemm,
+                                qk_norm_full_width=qk_norm_full_width)
     if moe_grouped_gemm:
         raise ValueError(
             "grouped experts (--moe-grouped-gemm) are built from the local spec; the Transformer "
@@ -81,6 +84,8 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
 
     layer = get_gpt_layer_with_transformer_engine_spec(config.num_moe_experts, moe_grouped_gemm=False,
                                                        qk_layernorm=config.qk_layernorm)
+    if qk_norm_full_width:
+        layer = with_qk_norms(layer, full_width=True)
     # TE fuses the input norm into linear_qkv (key linear_qkv.layer_norm_weight); the MoE
     # pre-MLP norm is a separate TENorm. Store it under the same key as the local spec does, so
     # one checkpoint serves both specs.
@@ -118,5 +123,6 @@ def build_model(info: ModelInfo, config, use_te: Optional[bool] = None,
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     spec = block_spec(config, pp_rank=pp_rank, use_te=use_te, attention_backend=attention_backend,
-                      moe_grouped_gemm=moe_grouped_gemm)
+                      moe_grouped_gemm=moe_grouped_gemm,
+                      qk_norm_full_width=info.shape.qk_norm_full_width)
     return build_gpt_model(info.shape, config, block_spec=spec)

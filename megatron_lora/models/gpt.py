@@ -90,7 +90,8 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=Non
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if block_spec is None:
-        block_spec = local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend)
+        block_spec = local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend,
+                                      qk_norm_full_width=shape.qk_norm_full_width)
     elif attention_backend is not None:
         raise ValueError("build_gpt_model: pass attention_backend or block_spec, not both")
     model = GPTModel(

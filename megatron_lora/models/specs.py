@@ -13,6 +13,11 @@ linear in s); "fused" (Transformer Engine's fused attention) is refused.
 `moe_grouped_gemm` (Megatron-LM's `--moe-grouped-gemm`) builds the experts as
 `megatron_lora.models.grouped_experts.GroupedExperts` (all local experts in one grouped matmul per
 weight, checkpoints identical to SequentialMLP's) instead of megatron's SequentialMLP.
+
+`qk_norm_full_width` (OLMoE) builds the query and key norms as
+`megatron_lora.models.qk_norm.FullWidthQueryNorm` / `FullWidthKeyNorm` (one RMS over the whole
+projection, exact under TP) instead of per-head RMSNorms; `with_qk_norms` applies the same
+choice to another spec (the Transformer Engine one).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lora.models.attention import SDPAttention
 from megatron_lora.models.grouped_experts import GroupedExperts
 from megatron_lora.models.norm import RMSNorm
+from megatron_lora.models.qk_norm import FullWidthKeyNorm, FullWidthQueryNorm
 from megatron_lora.runtime.versions import spec_replace, spec_submodules
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
@@ -69,15 +75,28 @@ def _with_grouped_experts(mlp_spec):
     return spec_replace(mlp_spec, submodules=dataclasses.replace(moe, experts=experts))
 
 
+def with_qk_norms(layer_spec, full_width: bool):
+    """A copy of a TransformerLayer spec whose query/key norms are ours: per-head RMSNorm, or
+    the full-width norms of models.qk_norm (full_width)."""
+    q, k = (FullWidthQueryNorm, FullWidthKeyNorm) if full_width else (RMSNorm, RMSNorm)
+    layer = spec_submodules(layer_spec)
+    attention = layer.self_attention
+    attention = spec_replace(attention, submodules=dataclasses.replace(
+        spec_submodules(attention), q_layernorm=q, k_layernorm=k))
+    return spec_replace(layer_spec, submodules=dataclasses.replace(layer, self_attention=attention))
+
+
 def local_layer_spec(
     num_experts: Optional[int] = None,
     moe_grouped_gemm: bool = False,
     attention_backend: Optional[str] = None,
     qk_layernorm: bool = False,
+    qk_norm_full_width: bool = False,
 ) -> ModuleSpec:
     """A TransformerLayer spec with local linears, SequentialMLP experts (GroupedExperts with
-    moe_grouped_gemm), RMSNorm (also per query/key head with qk_layernorm), and the core
-    attention `attention_backend` names (see the module docstring)."""
+    moe_grouped_gemm), RMSNorm (also per query/key head with qk_layernorm, or over the whole
+    query / key width with qk_norm_full_width as well), and the core attention
+    `attention_backend` names (see the module docstring)."""
     core_attention = core_attention_class(attention_backend)
     # megatron's own grouped experts need Transformer Engine (or, before 0.17, the grouped_gemm
     # package): ask for SequentialMLP and swap in GroupedExperts, which keeps its checkpoints.
@@ -92,13 +111,13 @@ def local_layer_spec(
     attention = spec.submodules.self_attention
     if core_attention is not DotProductAttention:
         attention = _with_core_attention(attention, core_attention)
-    if qk_layernorm:  # per head ([d] weights): megatron's norm is WrappedTorchNorm, refused under SP
-        attention = spec_replace(attention, submodules=dataclasses.replace(
-            spec_submodules(attention), q_layernorm=RMSNorm, k_layernorm=RMSNorm))
     if attention is not spec.submodules.self_attention:
         replaced["self_attention"] = attention
     submodules = dataclasses.replace(spec.submodules, **replaced)
-    return dataclasses.replace(spec, submodules=submodules)
+    spec = dataclasses.replace(spec, submodules=submodules)
+    if qk_layernorm:  # megatron's per-head norm is WrappedTorchNorm, refused under SP
+        spec = with_qk_norms(spec, qk_norm_full_width)
+    return spec
 
 
 def local_block_spec(
@@ -106,10 +125,16 @@ def local_block_spec(
     pp_rank: Optional[int] = None,
     moe_grouped_gemm: bool = False,
     attention_backend: Optional[str] = None,
+    qk_norm_full_width: bool = False,
 ) -> ModuleSpec:
-    """A TransformerBlock spec for this pipeline stage's layers with an RMSNorm final norm."""
+    """A TransformerBlock spec for this pipeline stage's layers with an RMSNorm final norm;
+    qk_norm_full_width: the model's query/key norms run over the whole width (OLMoE,
+    ModelShape.qk_norm_full_width)."""
+    if qk_norm_full_width and not config.qk_layernorm:
+        raise ValueError("qk_norm_full_width needs a config with qk_layernorm")
     layer = local_layer_spec(config.num_moe_experts, moe_grouped_gemm, attention_backend,
-                             qk_layernorm=config.qk_layernorm)
+                             qk_layernorm=config.qk_layernorm,
+                             qk_norm_full_width=qk_norm_full_width)
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     return ModuleSpec(
         module=TransformerBlock,

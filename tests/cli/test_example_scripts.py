@@ -1,4 +1,4 @@
-"""The 8x7B launch scripts in examples/mixtral_8x7b use only flags `megatron-lora train`
+"""The launch scripts in examples/mixtral_8x7b and examples/qwen3_moe use only flags `megatron-lora train`
 accepts, with the fast path (sequence 4096, memory-efficient attention; grouped experts are
 the default), so the scripts cannot rot silently. The scripts need GPUs to run; here their
 `megatron_lora train ...` arguments go through the real parser."""
@@ -10,7 +10,9 @@ import shlex
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = ["train_1node.sh", "train_multinode.sh", "train.slurm"]
+SCRIPTS = [os.path.join("mixtral_8x7b", s) for s in ("train_1node.sh", "train_multinode.sh",
+                                                     "train.slurm")] + \
+    [os.path.join("qwen3_moe", s) for s in ("train_1node.sh", "train_multinode.sh")]
 
 
 def _train_args(path):
@@ -26,7 +28,7 @@ def test_example_script_flags_parse(script):
     from megatron_lora.cli import build_parser
 
     args = build_parser().parse_args(
-        ["train"] + _train_args(os.path.join(REPO, "examples", "mixtral_8x7b", script)))
+        ["train"] + _train_args(os.path.join(REPO, "examples", script)))
     assert args.seq_length == 4096
     assert args.attention_backend == "flash"
     assert args.moe_grouped_gemm in (None, True)  # None: grouped experts with the local layers

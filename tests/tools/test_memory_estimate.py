@@ -1,0 +1,50 @@
+"""tools/memory_estimate.py reads any supported family's config.json: its weights count equals
+the published parameter totals (Mixtral 8x7B: 46.7B; Qwen3-30B-A3B: 30.5B; Qwen3-235B-A22B:
+235B) at one GPU, shrinks as the layout shards it, and counts a shared expert."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_lora.runtime import ParallelLayout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _estimate():
+    spec = importlib.util.spec_from_file_location(
+        "memory_estimate", os.path.join(ROOT, "tools", "memory_estimate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.estimate
+
+
+def _config(name):
+    return json.load(open(os.path.join(ROOT, "examples", name)))
+
+
+@pytest.mark.parametrize("config,billions", [("mixtral_8x7b/config.json", 46.7),
+                                             ("qwen3_moe/config_30b_a3b.json", 30.5),
+                                             ("qwen3_moe/config_235b_a22b.json", 235.1)])
+def test_weights_at_one_gpu_are_the_published_parameter_count(config, billions):
+    e = _estimate()(_config(config), ParallelLayout(), 1, 4096, 1, 16)
+    assert e["weights"] / 2 / 1e9 == pytest.approx(billions, rel=0.01)  # bf16: 2 bytes each
+    sharded = _estimate()(_config(config), ParallelLayout(tp=2, ep=4, sp=True), 8, 4096, 1, 16)
+    assert sharded["weights"] < e["weights"] / 4 and sharded["activations"] < e["activations"]
+
+
+def test_a_shared_expert_adds_its_weights_and_adapters():
+    # Qwen3's sizes with head_dim = hidden / heads (what Qwen2-MoE has), without and with a
+    # shared expert of 2048
+    base = dict(_config("qwen3_moe/config_30b_a3b.json"), head_dim=64)
+    qwen2 = dict(base, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+                 shared_expert_intermediate_size=2048, qkv_bias=False)
+    qwen2.pop("head_dim")
+    plain = _estimate()(qwen2, ParallelLayout(), 1, 4096, 1, 16)
+    ref = _estimate()(base, ParallelLayout(), 1, 4096, 1, 16)
+    h, fs, layers = 2048, 2048, 48
+    assert plain["weights"] - ref["weights"] == pytest.approx(2 * layers * (3 * h * fs + h))
+    assert plain["adapters"] - ref["adapters"] == pytest.approx(
+        2 * layers * 16 * ((h + 2 * fs) + (fs + h)))

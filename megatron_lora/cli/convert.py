@@ -1,4 +1,4 @@
-"""`megatron-lora convert`: Hugging Face Mixtral safetensors <-> megatron-core torch_dist.
+"""`megatron-lora convert`: Hugging Face safetensors (any family) <-> megatron-core torch_dist.
 
     megatron-lora convert hf-to-mcore --hf-dir Mixtral-8x7B --save mixtral-mcore
     megatron-lora convert mcore-to-hf --load mixtral-mcore --save Mixtral-8x7B-out
@@ -31,7 +31,7 @@ def register(sub) -> None:
     p = sub.add_parser("convert", help="convert checkpoints: HF safetensors <-> megatron-core",
                        formatter_class=HELP)
     conv = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    a = conv.add_parser("hf-to-mcore", help="HF Mixtral -> torch_dist checkpoint (any layout)",
+    a = conv.add_parser("hf-to-mcore", help="HF model -> torch_dist checkpoint (any layout)",
                         formatter_class=HELP)
     a.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
     a.add_argument("--save", required=True, help="output checkpoint folder (must not exist)")

@@ -1,4 +1,4 @@
-"""`megatron-lora generate`: text from a Mixtral (with a LoRA adapter) at any parallel layout.
+"""`megatron-lora generate`: text from a model (with a LoRA adapter) at any parallel layout.
 
     torchrun --nproc-per-node 4 -m megatron_lora generate --load-hf Mixtral-8x7B-v0.1 \\
         --adapter runs/lora --tensor-model-parallel-size 2 --expert-model-parallel-size 2 \\
@@ -30,7 +30,7 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megatron-core torch_dist checkpoint (from convert "
                      "hf-to-mcore)")
-    src.add_argument("--load-hf", help="HF Mixtral folder, read directly (each rank its slices)")
+    src.add_argument("--load-hf", help="HF model folder, read directly (each rank its slices)")
     p.add_argument("--hf-config", default=None, help="config.json for a --load checkpoint that "
                    "has no hf_config.json of its own")
     p.add_argument("--adapter", default=None, help="LoRA adapter checkpoint of `train` or "

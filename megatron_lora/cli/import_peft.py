@@ -1,4 +1,4 @@
-"""`megatron-lora import peft`: a Hugging Face PEFT LoRA (or PREFIX_TUNING) for Mixtral -> adapter
+"""`megatron-lora import peft`: a Hugging Face PEFT LoRA (or PREFIX_TUNING) -> adapter
 checkpoint.
 
     megatron-lora import peft --adapter my-adapter --load-hf Mixtral-8x7B-v0.1 --save imported

@@ -1,4 +1,4 @@
-"""`megatron-lora logits`: a Mixtral's logits for given token ids, at any parallel layout.
+"""`megatron-lora logits`: a model's logits for given token ids, at any parallel layout.
 
     torchrun --nproc-per-node 4 -m megatron_lora logits --load mixtral-mcore \\
         --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --sequence-parallel \\
@@ -26,11 +26,11 @@ from megatron_lora.cli.convert import HELP
 
 
 def register(sub) -> None:
-    p = sub.add_parser("logits", help="logits of a Mixtral checkpoint for given tokens (torchrun)",
+    p = sub.add_parser("logits", help="logits of a checkpoint for given tokens (torchrun)",
                        formatter_class=HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megatron-core torch_dist checkpoint (from convert hf-to-mcore)")
-    src.add_argument("--load-hf", help="HF Mixtral folder, read directly (no conversion)")
+    src.add_argument("--load-hf", help="HF model folder, read directly (no conversion)")
     p.add_argument("--hf-config", default=None, help="config.json for a --load checkpoint that "
                    "has no hf_config.json of its own")
     p.add_argument("--adapter", default=None, help="LoRA adapter checkpoint (run folder or "

@@ -1,4 +1,4 @@
-"""This rank's Mixtral stage with its weights (and an adapter), for the inference commands."""
+"""This rank's model stage with its weights (and an adapter), for the inference commands."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`megatron-lora train`: LoRA fine-tuning of a Mixtral checkpoint (run it under torchrun).
+"""`megatron-lora train`: LoRA fine-tuning of an MoE checkpoint of a supported family (under torchrun).
 
     torchrun --nproc-per-node 8 -m megatron_lora train --load-hf Mixtral-8x7B-v0.1 \\
         --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --sequence-parallel \\
@@ -26,7 +26,7 @@ from megatron_lora.cli.run_config import CONFIG_FLAG, ConfigArgumentParser
 def register(sub) -> None:
     p = sub.add_parser("train", help="LoRA fine-tuning (torchrun)", allow_abbrev=False,
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="LoRA fine-tuning of a Mixtral checkpoint; run it under "
+                       description="LoRA fine-tuning of an MoE checkpoint (docs/families.md); run it under "
                        "torchrun (or as one process for world size 1). Flag names follow "
                        "Megatron-LM.")
     p.__class__ = ConfigArgumentParser  # reads --config FILE before parsing (cli/run_config.py)
@@ -50,7 +50,7 @@ def add_arguments(p) -> None:
     add_layout_args(p)
     src = p.add_argument_group("model")
     which = src.add_mutually_exclusive_group(required=True)
-    which.add_argument("--load-hf", help="HF Mixtral folder, read directly (each rank its slices)")
+    which.add_argument("--load-hf", help="HF model folder, read directly (each rank its slices)")
     which.add_argument("--load", help="megatron-core checkpoint from `convert hf-to-mcore`")
     src.add_argument("--adapter", default=None, metavar="DIR",
                      help="start from this adapter's weights (Megatron-LM's --finetune: weights "

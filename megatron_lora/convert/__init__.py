@@ -1,4 +1,4 @@
-"""Checkpoint conversion between Hugging Face Mixtral safetensors and megatron-core torch_dist.
+"""Checkpoint conversion between Hugging Face safetensors (any supported family) and megatron-core torch_dist.
 
 - `mapping`: the one HF <-> megatron name/layout table every tool uses.
 - `hf_to_mcore.hf_to_mcore`, `mcore_to_hf.mcore_to_hf`: streamed converters (atomic output).

@@ -1,4 +1,4 @@
-"""Load Mixtral weights into this rank's megatron-core model, at whatever layout it was built.
+"""Load a model's HF weights into this rank's megatron-core model, at whatever layout it was built.
 
 `load_mcore(model, directory)`: megatron's own `dist_checkpointing.load` of a torch_dist checkpoint
 (collective over the world: every rank reads the boxes its shards cover), every file read as plain

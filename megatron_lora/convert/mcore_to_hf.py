@@ -1,4 +1,4 @@
-"""megatron-core torch_dist checkpoint -> HF Mixtral safetensors shards, streamed.
+"""megatron-core torch_dist checkpoint -> HF safetensors shards, streamed.
 
     mcore_to_hf("mixtral-mcore", "Mixtral-8x7B-out", max_shard_bytes=5 * 2**30)
 

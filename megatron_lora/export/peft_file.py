@@ -208,9 +208,9 @@ class PeftAdapterFile:
         if unknown:
             raise ConversionError(
                 f"{config.path}: target_modules {unknown} match no module of the model "
-                f"({info.config_fields()}); a Mixtral has q_proj, k_proj, v_proj, o_proj, gate, "
-                f"w1, w2, w3, embed_tokens and lm_head (PEFT adapts a module whose name equals "
-                f"an entry or ends with '.' + entry)")
+                f"({info.config_fields()}); a {info.family.base_model_class} has "
+                f"{', '.join(info.family.names.peft_order())} (PEFT adapts a module whose name "
+                f"equals an entry or ends with '.' + entry)")
         raw: Dict[str, Dict[str, str]] = {}
         self.tokens: Dict[str, str] = {}  # trainable tokens: "embedding"/"output_layer" -> key
         for key in sorted(self.shapes):

@@ -279,7 +279,8 @@ def _run(args) -> int:
     from megatron_lora.training.interrupt import TrainInterrupted
 
     try:
-        return run_training(args, resolved(parser(), args))
+        # resolved after the setup checks: --adapter replaces the LoRA flags with the adapter's
+        return run_training(args, lambda: resolved(parser(), args))
     except TrainSetupError as exc:
         message = f"megatron-lora train: error: {exc}"
         if _rank0() or exc.every_rank:

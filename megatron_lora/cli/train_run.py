@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -318,11 +319,12 @@ def _say(rank0: bool, text: str) -> None:
         print(text, flush=True)
 
 
-def run_training(args, run_config: dict) -> int:
+def run_training(args, run_config: Callable[[], dict]) -> int:
     """`megatron-lora train` on this rank: checks (no collective), then _train.
 
-    run_config: every train flag's final value (plain data, cli/run_config.py `resolved`), saved
-    as run_config.yaml next to each checkpoint, usable as --config."""
+    run_config: gives every train flag's final value (plain data, cli/run_config.py `resolved`)
+    once the setup checks have settled them (--adapter replaces the LoRA flags), saved as
+    run_config.yaml next to each checkpoint, usable as --config."""
     from megatron_lora.cli.common import layout_from_args, torchrun_env_defaults
     from megatron_lora.training import interrupt
 
@@ -356,7 +358,7 @@ def run_training(args, run_config: dict) -> int:
 
 
 def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats, initial,
-           progress, run_config: dict) -> int:
+           progress, run_config: Callable[[], dict]) -> int:
     import torch.distributed as dist
 
     from megatron_lora import runtime
@@ -413,7 +415,7 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
                 "num_experts": info.shape.num_experts,
                 # Not compared on resume (training/resume.py): this run's flags, written as
                 # run_config.yaml into each checkpoint (training/checkpoint.py).
-                "run_config": run_config}
+                "run_config": run_config()}
     start = time.monotonic()
     try:
         result = train([model], train_set, run, optim, layout_name=layout.describe(),

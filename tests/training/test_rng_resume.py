@@ -138,7 +138,9 @@ def test_a_resume_with_dropout_is_bit_identical(prepared, tmp_path):
 
 def test_a_checkpoint_holds_no_rng_state(prepared):
     folder = ckpt.iteration_dir(os.path.join(prepared, "half"), ITERS // 2)
-    assert os.path.isfile(os.path.join(folder, "common.pt"))
+    # a complete checkpoint (common.pt, or megatron-core 0.19's in-checkpoint common state)
+    assert os.path.isfile(os.path.join(folder, "metadata.json"))
+    assert ckpt.read_run_metadata(folder)["iteration"] == ITERS // 2
     assert not os.path.exists(os.path.join(folder, "rng")), os.listdir(folder)
 
 

@@ -116,6 +116,12 @@ def test_the_checks_before_build_know_the_full_width_norms(olmoe):
     assert parameter_bytes_per_rank(info, ParallelLayout(tp=2), torch.float32) < 4 * (hf + padding)
 
 
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True), ParallelLayout(pp=2)],
+                         ids=["TP2+SP", "PP2"])
+def test_megatron_builds_the_tensors_of_the_mapping(layout, olmoe):
+    F.structure_matches_megatron(paths=olmoe, name="hf", layout=layout)
+
+
 @pytest.mark.parametrize("layout,grouped,world_size", [
     pytest.param(ParallelLayout(), False, 1, id="1rank"),
     pytest.param(ParallelLayout(pp=2, ep=2), False, 4, id="PP2xEP2"),

@@ -6,6 +6,8 @@ order it wants its messages.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from megatron_lora.families.fields import Fields, ModelConfigError
@@ -75,3 +77,38 @@ def make_shape(f: Fields, vocab: int, **sizes) -> ModelShape:
     except ValueError as exc:
         raise ModelConfigError(
             f"{f.source}: {str(exc).replace('ModelShape.', 'derived ')}") from exc
+
+
+def num_experts(f: Fields) -> int:
+    """`num_experts` as the hub's Qwen/OLMoE configs write it; transformers 5 saves it as
+    `num_local_experts` (its attribute alias)."""
+    if "num_experts" in f.cfg or "num_local_experts" not in f.cfg:
+        return f.integer("num_experts")
+    return f.integer("num_local_experts")
+
+
+def refuse_dense_layers(f: Fields) -> None:
+    """Qwen's dense layers between MoE layers (`mlp_only_layers`, `decoder_sparse_step`)."""
+    dense = f.get("mlp_only_layers", list, default=[], nullable=True) or []
+    if dense:
+        raise ModelConfigError(f"{f.source}: field mlp_only_layers={dense}: dense layers between "
+                               f"the MoE layers are not supported yet")
+    step = f.integer("decoder_sparse_step", default=1)
+    if step != 1:
+        raise ModelConfigError(f"{f.source}: field decoder_sparse_step={step}: dense layers "
+                               f"between the MoE layers are not supported yet (use 1)")
+
+
+def moe_sizes(f: Fields, ffn_field: str, experts: Callable[[Fields], int], eps: float,
+              norm_topk_prob: bool) -> dict:
+    """The ModelShape fields of a decoder of MoE layers: expert FFN size from `ffn_field`, layers,
+    experts (read by `experts`), top-k, RMSNorm eps (default `eps`), tied embeddings; with `norm_topk_prob`, the
+    config's `norm_topk_prob` (false: plain top-k weights, megatron's pre-softmax routing).
+    Read before the shape is made: a field error is not a derived-size error."""
+    sizes = dict(ffn_hidden_size=f.integer(ffn_field), num_layers=f.integer("num_hidden_layers"),
+                 num_experts=experts(f), moe_router_topk=f.integer("num_experts_per_tok"),
+                 norm_epsilon=float(f.number("rms_norm_eps", default=eps)),
+                 tie_embeddings=f.get("tie_word_embeddings", bool, default=False))
+    if norm_topk_prob:
+        sizes["moe_router_pre_softmax"] = not f.get("norm_topk_prob", bool, default=False)
+    return sizes

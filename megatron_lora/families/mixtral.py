@@ -7,7 +7,7 @@ hidden_size / num_attention_heads.
 
 from __future__ import annotations
 
-from megatron_lora.families.common import (make_shape, read_activation, read_dtype,
+from megatron_lora.families.common import (make_shape, moe_sizes, read_activation, read_dtype,
                                            read_rope_theta, refuse_sliding_window, refuse_true)
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
@@ -31,14 +31,8 @@ def read(f: Fields, cfg: dict):
     refuse_sliding_window(f, max_pos)
     dtype = read_dtype(f)
     kv_heads = f.integer("num_key_value_heads", default=heads, nullable=True)
-    sizes = dict(  # read before the shape: a field error is not a derived-size error
-        ffn_hidden_size=f.integer("intermediate_size"),
-        num_layers=f.integer("num_hidden_layers"),
-        num_experts=f.integer("num_local_experts"),
-        moe_router_topk=f.integer("num_experts_per_tok"),
-        norm_epsilon=float(f.number("rms_norm_eps", default=1e-5)),
-        tie_embeddings=f.get("tie_word_embeddings", bool, default=False),
-    )
+    sizes = moe_sizes(f, "intermediate_size", lambda f: f.integer("num_local_experts"), 1e-5,
+                      norm_topk_prob=False)
     shape = make_shape(f, vocab, hidden_size=hidden, num_attention_heads=heads,
                        num_query_groups=heads if kv_heads is None else kv_heads,
                        max_position_embeddings=max_pos, rotary_base=theta, **sizes)

@@ -11,11 +11,11 @@ shared expert (`shared_expert_intermediate_size` 0: it must be a positive intege
 
 from __future__ import annotations
 
-from megatron_lora.families.common import (make_shape, read_activation, read_dtype,
-                                           read_rope_theta, refuse_sliding_window)
+from megatron_lora.families.common import (make_shape, moe_sizes, num_experts, read_activation,
+                                           read_dtype, read_rope_theta, refuse_dense_layers,
+                                           refuse_sliding_window)
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields
-from megatron_lora.families.qwen3_moe import num_experts, refuse_dense_layers
 
 
 def read(f: Fields, cfg: dict):
@@ -29,18 +29,11 @@ def read(f: Fields, cfg: dict):
     refuse_dense_layers(f)
     dtype = read_dtype(f)
     kv_heads = f.integer("num_key_value_heads", default=heads, nullable=True)
-    sizes = dict(
-        ffn_hidden_size=f.integer("moe_intermediate_size"),
-        num_layers=f.integer("num_hidden_layers"),
-        num_experts=num_experts(f),
-        moe_router_topk=f.integer("num_experts_per_tok"),
-        norm_epsilon=float(f.number("rms_norm_eps", default=1e-6)),
-        tie_embeddings=f.get("tie_word_embeddings", bool, default=False),
-        moe_router_pre_softmax=not f.get("norm_topk_prob", bool, default=False),
-        add_qkv_bias=f.get("qkv_bias", bool, default=True),
-        shared_expert_ffn_hidden_size=f.integer("shared_expert_intermediate_size", default=5632),
-        shared_expert_gate=True,
-    )
+    sizes = dict(moe_sizes(f, "moe_intermediate_size", num_experts, 1e-6, norm_topk_prob=True),
+                 add_qkv_bias=f.get("qkv_bias", bool, default=True),
+                 shared_expert_ffn_hidden_size=f.integer("shared_expert_intermediate_size",
+                                                         default=5632),
+                 shared_expert_gate=True)
     shape = make_shape(f, vocab, hidden_size=hidden, num_attention_heads=heads,
                        num_query_groups=heads if kv_heads is None else kv_heads,
                        max_position_embeddings=max_pos, rotary_base=theta, **sizes)

@@ -11,29 +11,11 @@ the MoE layers (`mlp_only_layers`, `decoder_sparse_step` > 1).
 
 from __future__ import annotations
 
-from megatron_lora.families.common import (make_shape, read_activation, read_dtype,
-                                           read_rope_theta, refuse_sliding_window, refuse_true)
+from megatron_lora.families.common import (make_shape, moe_sizes, num_experts, read_activation,
+                                           read_dtype, read_rope_theta, refuse_dense_layers,
+                                           refuse_sliding_window, refuse_true)
 from megatron_lora.families.family import Family, HFNames
-from megatron_lora.families.fields import Fields, ModelConfigError
-
-
-def num_experts(f: Fields) -> int:
-    """`num_experts` as the hub's configs write it; transformers 5 saves `num_local_experts`."""
-    if "num_experts" in f.cfg or "num_local_experts" not in f.cfg:
-        return f.integer("num_experts")
-    return f.integer("num_local_experts")
-
-
-def refuse_dense_layers(f: Fields) -> None:
-    """Qwen's dense layers between MoE layers (`mlp_only_layers`, `decoder_sparse_step`)."""
-    dense = f.get("mlp_only_layers", list, default=[], nullable=True) or []
-    if dense:
-        raise ModelConfigError(f"{f.source}: field mlp_only_layers={dense}: dense layers between "
-                               f"the MoE layers are not supported yet")
-    step = f.integer("decoder_sparse_step", default=1)
-    if step != 1:
-        raise ModelConfigError(f"{f.source}: field decoder_sparse_step={step}: dense layers "
-                               f"between the MoE layers are not supported yet (use 1)")
+from megatron_lora.families.fields import Fields
 
 
 def read(f: Fields, cfg: dict):
@@ -49,15 +31,7 @@ def read(f: Fields, cfg: dict):
     refuse_dense_layers(f)
     dtype = read_dtype(f)
     kv_heads = f.integer("num_key_value_heads", default=heads, nullable=True)
-    sizes = dict(
-        ffn_hidden_size=f.integer("moe_intermediate_size"),
-        num_layers=f.integer("num_hidden_layers"),
-        num_experts=num_experts(f),
-        moe_router_topk=f.integer("num_experts_per_tok"),
-        norm_epsilon=float(f.number("rms_norm_eps", default=1e-6)),
-        tie_embeddings=f.get("tie_word_embeddings", bool, default=False),
-        moe_router_pre_softmax=not f.get("norm_topk_prob", bool, default=False),
-    )
+    sizes = moe_sizes(f, "moe_intermediate_size", num_experts, 1e-6, norm_topk_prob=True)
     shape = make_shape(f, vocab, hidden_size=hidden, num_attention_heads=heads,
                        num_query_groups=heads if kv_heads is None else kv_heads,
                        max_position_embeddings=max_pos, rotary_base=theta,

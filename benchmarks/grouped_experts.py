@@ -1,6 +1,6 @@
 """Grouped experts (models/grouped_experts.py) against megatron's SequentialMLP, CPU, one run.
 
-    .venv/bin/python benchmarks/grouped_experts.py            # about 3 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/grouped_experts.py            # about 5 minutes on 2 CPU cores
     .venv/bin/python benchmarks/grouped_experts.py --tiny     # seconds (the suite's smoke test)
 
 Frozen-base forward + backward of the experts module alone (the dispatcher's rows in, their
@@ -8,10 +8,12 @@ outputs out, input gradient and LoRA gradients), LoRA r=16 on every expert's fc1
 for
     e8:  8 local experts,  h 1024, ffn 3584, 4096 tokens, top-2 (8192 rows)
     e64: 64 local experts, h 1024, ffn 512,  4096 tokens, top-8 (32768 rows)
+    e128: Qwen3-30B-A3B's MoE layer: 128 experts, h 2048, ffn 768, 1024 tokens, top-8 (8192 rows;
+          about 5 GB of fp32 weights for the two variants)
 Rows are split over the experts by a seeded random routing. Each variant is timed as the best
 process CPU time (other jobs cannot inflate it by descheduling this process) of interleaved
 runs after a warm-up, so load hits both alike. Ends with one JSON line:
-grouped_over_sequential_e8, grouped_over_sequential_e64 (grouped time / sequential time).
+grouped_over_sequential_e8, _e64, _e128 (grouped time / sequential time).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {"e8": dict(experts=8, hidden=1024, ffn=3584, tokens=4096, topk=2),
-          "e64": dict(experts=64, hidden=1024, ffn=512, tokens=4096, topk=8)}
+          "e64": dict(experts=64, hidden=1024, ffn=512, tokens=4096, topk=8),
+          "e128": dict(experts=128, hidden=2048, ffn=768, tokens=1024, topk=8)}
 TINY = {"e8": dict(experts=8, hidden=64, ffn=96, tokens=64, topk=2),
-        "e64": dict(experts=64, hidden=64, ffn=32, tokens=64, topk=8)}
+        "e64": dict(experts=64, hidden=64, ffn=32, tokens=64, topk=8),
+        "e128": dict(experts=128, hidden=64, ffn=24, tokens=64, topk=8)}
 
 
 def _free_port() -> int:

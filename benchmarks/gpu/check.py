@@ -1,6 +1,7 @@
-"""One-shot GPU check: Mixtral-8x7B layer shapes, bf16, sequence 4096, on one GPU.
+"""One-shot GPU check: Mixtral-8x7B (or Qwen3-30B-A3B) layer shapes, bf16, sequence 4096, one GPU.
 
     bash benchmarks/gpu/run.sh                       # on the GPU machine (installs .whl/ first)
+    bash benchmarks/gpu/run.sh --shape qwen3-30b-a3b # Qwen3-30B-A3B layers (128 experts, top-8)
     python benchmarks/gpu/check.py --tiny            # CPU smoke test (the suite runs it)
 
 Builds a 2-layer model with Mixtral-8x7B layer shapes (h 4096, ffn 14336, 32 heads / 8 KV
@@ -13,6 +14,10 @@ own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward
     dora        the LoRA of `lora` with DoRA (train --lora-use-dora)
     prefix      prefix tuning, 20 virtual tokens per layer (train --peft-type prefix)
     lora_sequential / frozen_sequential   the same with megatron's SequentialMLP experts
+--shape qwen3-30b-a3b builds 2 layers of Qwen3-30B-A3B instead (h 2048, 32 heads of 128 / 4 KV
+groups, per-head q/k RMSNorm, 128 experts top-8 of ffn 768, vocab 151936) and times the modes
+frozen, lora, full, lora_sequential and frozen_sequential (the MoE layer is where grouped experts
+must pay: 128 small GEMMs per weight in the sequential loop).
 Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
 wall time), tokens/s, peak memory (torch.cuda.max_memory_allocated, reset per mode).
 
@@ -47,6 +52,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 SHAPE_8X7B = dict(vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=2,
                   num_attention_heads=32, num_query_groups=8, num_experts=8, moe_router_topk=2,
                   max_position_embeddings=4096, rotary_base=1e6, norm_epsilon=1e-5)
+# Qwen3-30B-A3B's config.json sizes (2 of its 48 layers); norm_topk_prob true (renormalised).
+SHAPE_QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, ffn_hidden_size=768, num_layers=2,
+                           num_attention_heads=32, num_query_groups=4, kv_channels=128,
+                           qk_layernorm=True, num_experts=128, moe_router_topk=8,
+                           max_position_embeddings=4096, rotary_base=1e6, norm_epsilon=1e-6)
+SHAPES = {"mixtral-8x7b": SHAPE_8X7B, "qwen3-30b-a3b": SHAPE_QWEN3_30B_A3B}
 SHAPE_TINY = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers=2,
                   num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
                   max_position_embeddings=64, rotary_base=1e6, norm_epsilon=1e-5)
@@ -161,6 +172,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b",
+                        help="the layer shapes (default mixtral-8x7b)")
     parser.add_argument("--seq", type=int, default=None, help="default 4096 (tiny: 64)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=None, help="default 3")
@@ -174,7 +187,9 @@ def main(argv=None) -> int:
     args.seq = args.seq or (64 if args.tiny else 4096)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    shape = SHAPE_TINY if args.tiny else SHAPE_8X7B
+    shape = SHAPE_TINY if args.tiny else SHAPES[args.shape]
+    if args.tiny and args.shape == "qwen3-30b-a3b":  # the same quirks at tiny sizes
+        shape = dict(shape, kv_channels=24, qk_layernorm=True, num_experts=8, moe_router_topk=4)
     shape = dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], args.seq))
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if device.type == "cpu" and not args.tiny:
@@ -195,6 +210,8 @@ def main(argv=None) -> int:
         args.peak_tflops = bf16_peak_tflops(torch.cuda.get_device_name())
     modes = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
              ("lora", False), ("frozen", False)]
+    if args.shape == "qwen3-30b-a3b":
+        modes = [m for m in modes if m[0] not in ("dora", "prefix")]
     results = {}
     for mode, grouped in modes:
         key = mode if grouped else f"{mode}_sequential"
@@ -210,12 +227,13 @@ def main(argv=None) -> int:
     summary = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "shape_name": args.shape,
         "shape": dict(shape, seq_length=args.seq, dtype="bf16", micro_batch_size=1),
         "modes": results,
         "lora_over_frozen": round(ms["lora"] / ms["frozen"], 4),
         "lora_over_full": round(ms["lora"] / ms["full"], 4),
-        "dora_over_lora": round(ms["dora"] / ms["lora"], 4),
-        "prefix_over_lora": round(ms["prefix"] / ms["lora"], 4),
+        "dora_over_lora": round(ms["dora"] / ms["lora"], 4) if "dora" in ms else None,
+        "prefix_over_lora": round(ms["prefix"] / ms["lora"], 4) if "prefix" in ms else None,
         "grouped_over_sequential_lora": round(ms["lora"] / ms["lora_sequential"], 4),
         "grouped_over_sequential_frozen": round(ms["frozen"] / ms["frozen_sequential"], 4),
         "flop_formula": "megatron_lora.training.flops.lora_step_flops: full 6N + attention, "

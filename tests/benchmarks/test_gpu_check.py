@@ -74,3 +74,36 @@ def test_gpu_check_counts_with_the_function_train_logs_with():
     assert flops_per_token(SHAPE_8X7B, 4096, "full") == 6 * n + attention
     assert flops_per_token(SHAPE_8X7B, 4096, "lora") == 4 * n + attention + 6 * adapters
     assert flops_per_token(SHAPE_8X7B, 4096, "frozen") == 4 * n + attention
+
+
+def test_gpu_check_qwen3_shape_smoke_on_cpu():
+    """--shape qwen3-30b-a3b (tiny sizes with its quirks: head_dim != h/heads, q/k norms, top-4
+    of 8 experts) times frozen, lora, full and the sequential-expert pair."""
+    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
+                          "--shape", "qwen3-30b-a3b"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["shape_name"] == "qwen3-30b-a3b"
+    assert set(result["modes"]) == {"frozen", "lora", "full", "lora_sequential",
+                                    "frozen_sequential"}
+    assert result["dora_over_lora"] is None and result["prefix_over_lora"] is None
+    shape = result["shape"]
+    assert shape["kv_channels"] * shape["num_attention_heads"] != shape["hidden_size"]
+    assert shape["qk_layernorm"] and shape["num_experts"] == 8
+    trainable = {name: mode["trainable_parameters"] for name, mode in result["modes"].items()}
+    assert trainable["frozen"] < trainable["lora"] == trainable["lora_sequential"] < trainable["full"]
+
+
+def test_qwen3_30b_a3b_shape_is_its_config():
+    """The check's Qwen3-30B-A3B sizes are what the family reads from its config.json."""
+    from benchmarks.gpu.check import SHAPE_QWEN3_30B_A3B
+    from megatron_lora.families import model_info
+
+    config = json.load(open(os.path.join(REPO, "examples", "qwen3_moe", "config_30b_a3b.json")))
+    shape = model_info(config).shape
+    for key, value in SHAPE_QWEN3_30B_A3B.items():
+        if key not in ("num_layers", "max_position_embeddings", "vocab_size"):
+            assert getattr(shape, key) == value, key
+    assert shape.vocab_size == SHAPE_QWEN3_30B_A3B["vocab_size"]  # already a multiple of 128

@@ -53,12 +53,18 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor):
     return hf_model(hf_dir)(tokens).logits.float()
 
 
-def cli(*args, nproc: int = 1, port: int = 29561) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, port=None) -> list:
+    """The torchrun command line for `nproc` ranks: on `port`, or (None) `--standalone`, where
+    torchrun picks a free port itself, so suites running side by side never meet on one."""
+    where = ["--standalone"] if port is None else ["--master-port", str(port)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *where]
+
+
+def cli(*args, nproc: int = 1, port=None) -> subprocess.CompletedProcess:
     """Run `megatron-lora ARGS` (under torchrun when nproc > 1); returns the finished process."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(port), "-m", "megatron_lora", *args]
+        cmd = [*torchrun(nproc, port), "-m", "megatron_lora", *args]
     else:
         cmd = [sys.executable, "-m", "megatron_lora", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
 """Prefix tuning out to and in from Hugging Face PEFT (PREFIX_TUNING), judged by transformers +
-PEFT. `megatron-lora train --peft-type prefix --num-virtual-tokens 3` at PP2xEP2 (4 ranks, 3 steps),
+PEFT. `megatron-lora train --peft-type prefix --num-virtual-tokens 3` at PP2 (2 ranks, 3 steps),
 once without and once with `--prefix-projection` (encoder hidden size 24), then:
 
 - `export peft` writes the adapter_config.json fields and the safetensors tensor
@@ -58,7 +58,8 @@ def _ok(proc):
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
-    """Both modes trained at PP2xEP2, exported (the projection one through the CLI) and their
+    """Both modes trained at PP2 (the parity of prefix tuning at every layout is
+    tests/lora/test_prefix.py's), exported (the projection one through the CLI) and their
     logits from `logits --adapter` at TP2+SP."""
     from megatron_lora.export.to_peft import export_peft
     from tests.data.tiny_tokenizers import mistral_folder
@@ -71,8 +72,8 @@ def runs(tiny, tmp_path_factory):
         _ok(S.cli("train", "--load-hf", tiny["hf"], "--tokenizer", paths["tok"], "--data-path",
                   data, "--seq-length", "16", "--global-batch-size", "2", "--train-iters", "3",
                   "--lr", "2e-2", "--peft-type", "prefix", "--num-virtual-tokens", str(N), *flags,
-                  "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                  "--save", run, "--log-interval", "10", nproc=4, port=29581 + i))
+                  "--pipeline-model-parallel-size", "2",
+                  "--save", run, "--log-interval", "10", nproc=2))
         if mode == "projection":
             proc = _ok(S.cli("export", "peft", "--adapter", run, "--load-hf", tiny["hf"],
                              "--save", peft))
@@ -81,7 +82,7 @@ def runs(tiny, tmp_path_factory):
             export_peft(run, peft, hf_config=tiny["hf"])
         _ok(S.cli("logits", "--load-hf", tiny["hf"], "--adapter", run, "--tokens",
                   tiny["tokens"], "--out", logits, "--tensor-model-parallel-size", "2",
-                  "--sequence-parallel", nproc=2, port=29583 + i))
+                  "--sequence-parallel", nproc=2))
         paths[mode] = {"run": run, "peft": peft, "logits": logits}
     return paths
 
@@ -160,7 +161,7 @@ def test_greedy_generate_matches_transformers_peft(runs, tmp_path):
     _ok(S.cli("generate", "--load", runs["mcore"], "--adapter", runs["table"]["run"],
               "--tokenizer", runs["tok"], "--prompts", prompts, "--out", out, "--max-new-tokens",
               str(NEW_TOKENS), "--tensor-model-parallel-size", "2", "--sequence-parallel",
-              nproc=2, port=29585))
+              nproc=2))
     ours = [json.loads(line)["token_ids"] for line in open(out)]
     tok = AutoTokenizer.from_pretrained(runs["tok"])
     ids = [tok(p).input_ids for p in PROMPTS]

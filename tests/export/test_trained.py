@@ -56,7 +56,7 @@ def test_logits_cli_with_adapter_at_another_layout(trained, tmp_path):
     out = str(tmp_path / "logits.safetensors")
     proc = S.cli("logits", "--load", trained["mcore"], "--adapter", trained["run"],
                  "--tokens", trained["tokens"], "--out", out, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                 nproc=2, port=29563)
+                 nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _max_diff(load_file(out)["logits"], ours) <= TOL
 

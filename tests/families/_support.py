@@ -55,11 +55,11 @@ def perturb_norms(model) -> None:
                 p.uniform_(0.5, 1.5)
 
 
-def run(*args, nproc: int, port: int) -> subprocess.CompletedProcess:
-    """`megatron-lora ARGS` under torchrun (also for one rank: a port of its own); must succeed."""
+def run(*args, nproc: int, port=None) -> subprocess.CompletedProcess:
+    """`megatron-lora ARGS` under torchrun (also for one rank; a free port unless `port`);
+    must succeed."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(port), "-m", "megatron_lora", *args]
+    cmd = [*S.torchrun(nproc, port), "-m", "megatron_lora", *args]
     proc = subprocess.run(cmd, cwd=S.ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -190,3 +190,13 @@ def test_import_of_the_export_is_bit_identical(trained, tmp_path):
 
 def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
     F.check_generate(trained, str(tmp_path), port=29623)
+
+
+# ---- PEFT's own DoRA / prefix-tuning adapters on this family ----
+
+@pytest.mark.parametrize("kind", ["prefix"])
+def test_peft_s_own_adapter_imports_and_gives_peft_s_logits(kind, olmoe, tmp_path):
+    """q/k norms over the whole projection width (the prefix keys bypass them)."""
+    from tests.families._peft_made import check_peft_save_gives_peft_logits
+
+    check_peft_save_gives_peft_logits(olmoe, kind, str(tmp_path))

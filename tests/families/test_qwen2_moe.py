@@ -157,3 +157,13 @@ def test_shared_expert_rank_pattern_is_checked_apart_from_the_routed_experts():
     big = LoraConfig(r=4, target_modules=["linear_fc2"], rank_pattern={"shared_experts": 48})
     (msg,) = model_problems(big, info)
     assert "exceeds min(in_features, out_features) = 40" in msg and "shared expert" in msg
+
+
+# ---- PEFT's own DoRA / prefix-tuning adapters on this family ----
+
+@pytest.mark.parametrize("kind", ["dora"])
+def test_peft_s_own_adapter_imports_and_gives_peft_s_logits(kind, qwen2, tmp_path):
+    """q/k/v biases (DoRA's weight norm is over the weight alone; the bias is added after scaling)."""
+    from tests.families._peft_made import check_peft_save_gives_peft_logits
+
+    check_peft_save_gives_peft_logits(qwen2, kind, str(tmp_path))

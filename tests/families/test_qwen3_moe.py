@@ -140,3 +140,13 @@ def test_import_of_the_export_is_bit_identical(trained, tmp_path):
 
 def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
     F.check_generate(trained, str(tmp_path), port=29613)
+
+
+# ---- PEFT's own DoRA / prefix-tuning adapters on this family ----
+
+@pytest.mark.parametrize("kind", ["dora", "prefix"])
+def test_peft_s_own_adapter_imports_and_gives_peft_s_logits(kind, qwen3, tmp_path):
+    """per-head q/k norms (the prefix keys bypass them, as in transformers' cache), q wider than the hidden size."""
+    from tests.families._peft_made import check_peft_save_gives_peft_logits
+
+    check_peft_save_gives_peft_logits(qwen3, kind, str(tmp_path))

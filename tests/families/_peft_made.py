@@ -1,0 +1,55 @@
+"""PEFT's own adapters of the kinds a family's training check does not export (DoRA, prefix
+tuning), made by PEFT on the family's tiny model, imported, and run by `logits --adapter`.
+
+The reference is PEFT's: `get_peft_model` with non-zero factors (LoRA B random, DoRA's magnitude
+from the weights; the prefix table random), saved with `save_pretrained`, loaded back by
+`PeftModel.from_pretrained` into transformers' model of the family. Ours is `import peft` of
+that save, then the `logits` command on the HF folder with `--adapter`.
+"""
+
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from tests.export import _support as S
+from tests.families._support import TOL, hf_logits, hf_model
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _peft_config(kind: str):
+    from peft import LoraConfig, PrefixTuningConfig
+
+    if kind == "prefix":
+        return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)
+    if kind == "dora":  # B random too (init_lora_weights=False): a zero B hides the update
+        return LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, use_dora=True,
+                          init_lora_weights=False)
+    raise ValueError(kind)
+
+
+def check_peft_save_gives_peft_logits(paths: dict, kind: str, tmp: str, seed: int = 5) -> float:
+    """PEFT's `kind` adapter on paths["hf"], imported: `logits --adapter` within TOL of PEFT
+    (and far from the base's logits); returns the max abs difference."""
+    from peft import PeftModel, get_peft_model
+
+    from megatron_lora.export.from_peft import import_peft
+
+    hf, saved, back = paths["hf"], os.path.join(tmp, "peft"), os.path.join(tmp, "imported")
+    torch.manual_seed(seed)
+    get_peft_model(hf_model(hf), _peft_config(kind)).save_pretrained(saved)
+    report = import_peft(saved, back, hf_config=hf)
+    assert report["config"].get("use_dora", False) == (kind == "dora"), report["config"]
+    out = os.path.join(tmp, "ours.safetensors")
+    proc = S.cli("logits", "--load-hf", hf, "--adapter", back, "--tokens", paths["tokens"],
+                 "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = load_file(out)["logits"]
+    tokens = load_file(paths["reference"])["tokens"]
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(hf_model(hf), saved).eval()(tokens).logits.float()
+    assert (peft - hf_logits(hf, tokens)).abs().max().item() > 100 * TOL  # the adapter acts
+    diff = (ours - peft).abs().max().item()
+    assert diff <= TOL, f"{kind}: max abs diff {diff:.3e} vs transformers + PEFT"
+    return diff

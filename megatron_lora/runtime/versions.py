@@ -13,6 +13,7 @@ introduced the change and the megatron-core call site.
 | common (non-tensor) checkpoint state stored as a `common_state` ShardedObject inside the torch_dist files, no `common.pt` | 0.19.0 | `dist_checkpointing/serialization.py` (`save`, `load_common_state_dict`) | `safe_load.load_common_state` reads either form |
 | `dist_checkpointing.load` reads the common state itself through torch's plain `FileSystemReader` (no `common_strategy`) | 0.19.0 | `dist_checkpointing/serialization.py:load_common_state_dict` | `safe_load.dist_load` checks every file first |
 | `materialize_only_last_token_logits` moved from the inference context into its `InferenceConfig` (`context.config`) | 0.19.0 | `inference/contexts/base_context.py`, `models/gpt/gpt_model.py:_postprocess` | `static_kv_cache` |
+| the grad norm filters a replicated expert parameter's duplicates over the expert-TP group (`expert_tp_group`); before, over the dense TP group, so at expert-TP != TP a TP rank left its replicated expert-adapter factors out of the norm (and clipped by another factor) | 0.19.0 | `optimizer/optimizer.py:get_main_grads_for_grad_norm`, `tensor_parallel/layers.py:param_is_not_tensor_parallel_duplicate` | `filter_expert_duplicates_over_expert_tp` |
 | legacy `GroupedMLP` (grouped_gemm package) removed; `moe_grouped_gemm=True` means TE's `TEGroupedMLP` | 0.17.0 | `transformer/moe/experts.py` | not used: SequentialMLP only |
 """
 
@@ -74,3 +75,27 @@ def static_kv_cache(max_batch_size: int, max_sequence_length: int) -> Any:
         inference_config.materialize_only_last_token_logits = False  # 0.19
     context.materialize_only_last_token_logits = False  # <= 0.18 reads it here
     return context
+
+
+def filter_expert_duplicates_over_expert_tp(optimizer: Any) -> None:
+    """Make the grad norm of megatron's optimizer count each expert parameter once per
+    expert-TP shard, on every release.
+
+    A replicated parameter (`tensor_model_parallel` False, e.g. an expert adapter's factor that
+    every expert-TP rank holds whole) is counted only on rank 0 of the optimizer's `tp_group`.
+    Releases whose duplicate filter takes no `expert_tp_group` use the dense TP group for the
+    expert sub-optimizer too: with expert-TP 1 under TP 2, a dense-TP rank 1 then drops its
+    experts' replicated factors, so the ranks compute different norms and clip differently.
+    There the expert sub-optimizer's `tp_group` becomes the expert-TP group (megatron's own
+    expert weights are all `tensor_model_parallel`, so only such factors are affected)."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    if "expert_tp_group" in inspect.signature(param_is_not_tensor_parallel_duplicate).parameters:
+        return  # 0.19+: megatron filters expert parameters over the expert-TP group itself
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        groups = getattr(getattr(sub, "optimizer", None), "param_groups", [])
+        if groups and all(g.get("is_expert_parallel", False) for g in groups):
+            sub.tp_group = parallel_state.get_expert_tensor_parallel_group()

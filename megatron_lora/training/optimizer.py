@@ -24,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_lora.runtime.versions import filter_expert_duplicates_over_expert_tp
 from megatron_lora.training.step import finalize_pre_normalised_grads
 
 
@@ -116,6 +117,7 @@ def wrap_for_training(
         **({"initial_loss_scale": 2.0 ** 16, "hysteresis": 1} if fp16 else {}),
     )
     optimizer = get_megatron_optimizer(opt_config, wrapped)
+    filter_expert_duplicates_over_expert_tp(optimizer)
     if fp16:  # megatron's schedules multiply the loss by this before backward
         config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(

@@ -117,6 +117,13 @@ def _capture_step(adapters, captured):
 CASES = [
     pytest.param(ParallelLayout(), 1, id="world1"),
     pytest.param(ParallelLayout(pp=2, ep=2), 4, id="PP2xEP2"),
+    # Expert-TP 1 under TP 2: replicated expert factors are duplicates over the expert-TP group
+    # (size 1 here), not the dense TP group; counted by the dense one, a TP rank leaves its
+    # experts' replicated factors out of the norm and clips by another factor.
+    pytest.param(ParallelLayout(tp=2, etp=1, sp=True), 2, id="TP2xETP1+SP"),
+    pytest.param(ParallelLayout(tp=2, ep=2, etp=1, sp=True), 4, id="TP2xEP2xETP1+SP"),
+    # Expert-TP 2 under TP 1: counted by the dense group, both expert-TP ranks count them.
+    pytest.param(ParallelLayout(ep=1, etp=2), 2, id="ETP2"),
 ]
 
 

@@ -182,3 +182,18 @@ def test_import_of_the_export_is_bit_identical(trained, tmp_path):
 
 def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
     F.check_generate(trained, str(tmp_path), port=29613)
+
+
+def test_merged_export_is_the_adapted_model(trained, tmp_path):
+    """export hf --merge folds every adapter, the dense layers' MLP included, into the weights:
+    transformers' logits of the merged folder are those of `logits --adapter`."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_lora.export.merged import export_merged_hf
+
+    out = str(tmp_path / "merged")
+    export_merged_hf(trained["mcore"], trained["run4"], out, progress=False)
+    tokens = torch.tensor(json.load(open(trained["tokens"])))
+    diff = (F.hf_logits(out, tokens) - load_file(trained["logits"])["logits"]).abs().max().item()
+    assert diff <= F.TOL, f"max abs diff {diff:.3e}"

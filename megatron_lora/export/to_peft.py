@@ -61,6 +61,10 @@ from megatron_lora.export.table import (
 )
 from megatron_lora.families import read_hf_config
 
+# The table's kinds of a dense layer's MLP (between MoE layers).
+DENSE = ("dense_fc1", "dense_fc2")
+
+
 def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float], order):
     """rank_pattern, alpha_pattern (PEFT syntax) for modules whose (r, alpha) differ from default;
     order: the family's short module names in model order (HFNames.peft_order)."""
@@ -268,8 +272,6 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     return config
 
 
-# The table's kinds of a dense layer's MLP (between MoE layers).
-DENSE = ("dense_fc1", "dense_fc2")
 # Our trainable-token tensors -> PEFT's module names and safetensors keys.
 TOKEN_MODULES = ("embed_tokens", "lm_head")
 TOKEN_TENSORS = {

@@ -162,6 +162,17 @@ def test_training_at_pp2_ep2_is_the_one_rank_run(trained):
     assert experts == {"decoder.layers.1", "decoder.layers.3"}, experts
 
 
+def test_an_adapter_for_another_layer_mix_is_refused_naming_the_layers(trained):
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+
+    other = model_info(dict(CONFIG, decoder_sparse_step=1, mlp_only_layers=[1]))  # (1, 0, 1, 1)
+    with pytest.raises(ConversionError, match=r"mlp\.router\.lora\.lora_A is stored for layers "
+                                              r"\[1, 3\], but the model has it on layers "
+                                              r"\[0, 2, 3\]"):
+        AdapterCheckpoint(trained["run4"], other)
+
+
 def test_peft_export_loads_in_transformers_with_our_logits(trained):
     config = F.check_peft_logits(trained)
     assert config["auto_mapping"]["base_model_class"] == "Qwen3MoeForCausalLM"

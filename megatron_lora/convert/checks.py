@@ -66,8 +66,35 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         out[_MLP + "shared_experts.linear_fc2.weight"] = (layers, hid, shared)
         if s.shared_expert_gate:
             out[_MLP + "shared_experts.gate_weight"] = (layers, (1, "the shared expert gate"), hid)
+    fd = s.dense_ffn_hidden_size
+    if fd:
+        dense = (fd, f"{fam.dense_ffn_field}={fd}")
+        out[_MLP + "linear_fc1.weight"] = (layers, (2 * fd, dense[1]), hid)
+        out[_MLP + "linear_fc2.weight"] = (layers, hid, dense)
     if not s.tie_embeddings:
         out["output_layer.weight"] = (vocab, hid)
+    return _per_layer(info, out) if s.per_layer_keys else out
+
+
+_DENSE_ONLY = (_MLP + "linear_fc1.weight", _MLP + "linear_fc2.weight")
+_MOE_ONLY = (_MLP + "router.", _MLP + "experts.", _MLP + "shared_experts.")
+
+
+def _per_layer(info: ModelInfo, stacked: Dict[str, Dims]) -> Dict[str, Dims]:
+    """expected_shapes keyed as megatron keys a model with dense layers: per layer, without the
+    layer axis; the router and experts on MoE layers, the dense MLP on dense ones."""
+    from megatron_lora.convert.layer_keys import LAYERS, layer_key
+
+    out = {}
+    for key, dims in stacked.items():
+        if not key.startswith(LAYERS):
+            out[key] = dims
+            continue
+        for l in range(info.shape.num_layers):
+            moe = info.shape.is_moe_layer(l)
+            if key in _DENSE_ONLY and moe or key.startswith(_MOE_ONLY) and not moe:
+                continue
+            out[layer_key(key, l)] = dims[1:]
     return out
 
 
@@ -137,16 +164,24 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
     fs = s.shared_expert_ffn_hidden_size or 0
     qn, kn = s.qk_norm_widths()
     norms = (_ceil(qn + kn, tp) if s.qk_norm_full_width else qn + kn) if s.qk_layernorm else 0
-    per_layer = (2 * h + norms + _ceil((n + 2 * g) * d * h + h * n * d, tp)
-                 + _ceil((n + 2 * g) * d * s.add_qkv_bias, tp) + E * h
-                 + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
+    attention = (2 * h + norms + _ceil((n + 2 * g) * d * h + h * n * d, tp)
+                 + _ceil((n + 2 * g) * d * s.add_qkv_bias, tp))
+    moe_layer = (attention + E * h + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
                  + _ceil(3 * fs * h, tp) + h * s.shared_expert_gate)
-    layers = _ceil(s.num_layers, layout.pp) * per_layer
+    per_stage = _ceil(s.num_layers, layout.pp)
     vocab = _ceil(s.vocab_size, tp) * h
     # Tied embeddings on more than one stage: the last stage holds its own copy of the output.
     output = vocab if (not s.tie_embeddings or layout.pp > 1) else 0
     first, last = vocab, h + output
-    stage = layers + first + last if layout.pp == 1 else layers + max(first, last)
+    if s.moe_layer_pattern is None:
+        layers = per_stage * moe_layer
+        stage = layers + first + last if layout.pp == 1 else layers + max(first, last)
+    else:  # stages differ by their mix of MoE and dense layers: the largest one
+        dense_layer = attention + _ceil(3 * s.dense_ffn_hidden_size * h, tp)
+        sizes = [moe_layer if moe else dense_layer for moe in s.moe_layer_pattern]
+        starts = range(0, s.num_layers, per_stage)
+        stage = max(sum(sizes[i:i + per_stage]) + first * (i == 0)
+                    + last * (i + per_stage >= s.num_layers) for i in starts)
     return stage * torch.tensor([], dtype=dtype).element_size()
 
 

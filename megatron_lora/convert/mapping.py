@@ -6,6 +6,11 @@ into HF tensors.
 
 Megatron-side names are the keys of megatron-core's sharded state dict (torch_dist checkpoints):
 per-layer tensors are stacked on a leading layer axis [L, ...], expert tensors on [L, E, ...].
+A model with dense layers between its MoE layers (ModelShape.moe_layer_pattern) is keyed per
+layer instead (`decoder.layers.{l}.` + the same name, no layer axis: convert/layer_keys.py);
+its dense layers have `mlp.linear_fc1.weight` [2F, h] (rows [gate; up], F the dense FFN size)
+and `mlp.linear_fc2.weight` [h, F] from `model.layers.l.mlp.{gate,up,down}_proj.weight`, and no
+router or experts.
 
 HF names come from the family (`info.family.names`, families/family.py HFNames); the table shows
 Mixtral's.
@@ -39,6 +44,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron_lora.convert.layer_keys import layer_key, unstack
 from megatron_lora.families import ModelInfo
 
 Slices = Tuple[slice, ...]
@@ -177,16 +183,21 @@ def _vocab_tensor(key: str, hf_name: str, info: ModelInfo, dtype) -> McoreTensor
     return McoreTensor(key, (vp, h), tuple(chunks))
 
 
-def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTensor]:
-    """Every megatron tensor of the model with the chunks that make it, in HF order.
+def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
+                  stacked: bool = False) -> List[McoreTensor]:
+    """Every megatron tensor of the model with the chunks that make it, in HF order, keyed as
+    megatron-core keys them (per layer for a model with dense layers).
 
     dtype: the dtype of zero padding rows (the checkpoint's dtype; default info.dtype).
+    stacked: layer tensors always stacked on a leading layer axis, as a homogeneous model's are
+    (the adapter table's view; a dense layer has no chunk in the experts' tensors and an MoE
+    layer none in the dense MLP's).
     """
     s = info.shape
     dtype = dtype or info.dtype
     L, E, h, f, d = s.num_layers, s.num_experts, s.hidden_size, s.ffn_hidden_size, info.head_dim
     n, g = s.num_attention_heads, s.num_query_groups
-    fs = s.shared_expert_ffn_hidden_size
+    fs, fd = s.shared_expert_ffn_hidden_size, s.dense_ffn_hidden_size
     qn, kn = s.qk_norm_widths()  # [d] per head, or [n*d] / [g*d] over the whole width
     out = [_vocab_tensor("embedding.word_embeddings.weight", info.family.names.embedding, info, dtype)]
     per_layer: Dict[str, List[Chunk]] = {}
@@ -216,6 +227,12 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
             layer(attn + "k_layernorm.weight", l, Direct(p + names.k_norm, (kn,)))
         layer(attn + "linear_proj.weight", l, Direct(p + names.o, (h, n * d)))
         layer(mlp + "linear_fc1.layer_norm_weight", l, Direct(p + names.post_attention_norm, (h,)))
+        if not s.is_moe_layer(l):
+            x = p + names.dense_mlp
+            rows(mlp + "linear_fc1.weight", l, 0, Direct(x + names.expert_gate, (fd, h)))
+            rows(mlp + "linear_fc1.weight", l, fd, Direct(x + names.expert_up, (fd, h)))
+            layer(mlp + "linear_fc2.weight", l, Direct(x + names.expert_down, (h, fd)))
+            continue
         layer(mlp + "router.weight", l, Direct(p + names.router, (E, h)))
         for e in range(E):
             x = p + names.expert.format(e=e)
@@ -245,28 +262,46 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None) -> List[McoreTenso
         shapes.update({mlp + "shared_experts.linear_fc1.weight": (L, 2 * fs, h),
                        mlp + "shared_experts.linear_fc2.weight": (L, h, fs),
                        mlp + "shared_experts.gate_weight": (L, 1, h)})
+    if fd:
+        shapes.update({mlp + "linear_fc1.weight": (L, 2 * fd, h),
+                       mlp + "linear_fc2.weight": (L, h, fd)})
     out += [McoreTensor(k, shapes[k], tuple(c)) for k, c in per_layer.items()]
     out.append(McoreTensor("decoder.final_layernorm.weight", (h,), (Chunk((0,), (h,), Direct(info.family.names.final_norm, (h,))),)))
     if not s.tie_embeddings:
         out.append(_vocab_tensor("output_layer.weight", info.family.names.output, info, dtype))
-    return out
+    return unstack(out) if s.per_layer_keys and not stacked else out
 
 
 def extra_states(info: ModelInfo) -> List[ExtraState]:
-    """The ShardedObjects megatron-core's sharded state dict has for this model (all None)."""
-    L, E = info.shape.num_layers, info.shape.num_experts
+    """The ShardedObjects megatron-core's sharded state dict has for this model (all None):
+    `/shard_{l}_{L}` (with the expert: `{l}.{e}_{L}.{E}`) stacked, `/shard_0_1` (`{e}_{E}`) keyed
+    per layer."""
+    s = info.shape
+    L, E = s.num_layers, s.num_experts
     out = []
+
+    def add(name: str, l: int, e: int = None) -> None:
+        if s.per_layer_keys:
+            shard = "0_1" if e is None else f"{e}_{E}"
+            out.append(ExtraState(f"{layer_key('decoder.layers.' + name, l)}._extra_state/"
+                                  f"shard_{shard}"))
+        else:
+            shard = f"{l}_{L}" if e is None else f"{l}.{e}_{L}.{E}"
+            out.append(ExtraState(f"decoder.layers.{name}._extra_state/shard_{shard}"))
+
     for l in range(L):
         for name in ("linear_proj", "linear_qkv"):
-            out.append(ExtraState(f"decoder.layers.self_attention.{name}._extra_state/shard_{l}_{L}"))
+            add(f"self_attention.{name}", l)
+        if not s.is_moe_layer(l):
+            for name in ("linear_fc1", "linear_fc2"):
+                add(f"mlp.{name}", l)
+            continue
         for e in range(E):
             for name in ("linear_fc1", "linear_fc2"):
-                out.append(ExtraState(
-                    f"decoder.layers.mlp.experts.experts.{name}._extra_state/shard_{l}.{e}_{L}.{E}"))
-        if info.shape.shared_expert_ffn_hidden_size:
+                add(f"mlp.experts.experts.{name}", l, e)
+        if s.shared_expert_ffn_hidden_size:
             for name in ("linear_fc1", "linear_fc2"):
-                out.append(ExtraState(
-                    f"decoder.layers.mlp.shared_experts.{name}._extra_state/shard_{l}_{L}"))
+                add(f"mlp.shared_experts.{name}", l)
     return out
 
 

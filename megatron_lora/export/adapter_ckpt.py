@@ -40,6 +40,7 @@ from megatron_lora.convert.atomic import atomic_directory, check_output_free
 from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 from megatron_lora.convert.dcp_write import write_torch_dist
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.layer_keys import StackedView, stacked_key, unstack, unstack_whole
 from megatron_lora.convert.mapping import Chunk, McoreTensor
 from megatron_lora.export.table import (KINDS, Kind, factor_shapes, magnitude_shape, model_kinds,
                                         sites)
@@ -112,6 +113,8 @@ class AdapterCheckpoint:
             raise ConversionError(str(exc)) from None
         self.info = info
         self.ckpt = TorchDistCheckpoint(self.directory)
+        if info.shape.per_layer_keys:  # read through the table's stacked keys
+            self.ckpt = StackedView(self.ckpt, info.shape.num_layers)
         common_path = os.path.join(self.directory, "common.pt")
         try:
             self.common = read_run_metadata(self.directory)
@@ -179,6 +182,7 @@ class AdapterCheckpoint:
                     raise ConversionError(
                         f"{self.directory}: tensor {key} has shape {list(got)}, but the model "
                         f"({self.info.config_fields()}) at rank {rank} implies {list(exp)}")
+            self._check_layers(kind)
             if self.config.use_dora:
                 want_m = magnitude_shape(self.info, kind)
                 if kind.m_key not in keys:
@@ -192,6 +196,18 @@ class AdapterCheckpoint:
         if not ranks:
             raise ConversionError(f"{self.directory}: no LoRA factors in the checkpoint")
         return ranks
+
+    def _check_layers(self, kind: Kind) -> None:
+        """A checkpoint keyed per layer holds a kind's factors on exactly the layers the model
+        has that kind on (the dense MLP's on dense layers, the experts' on MoE layers)."""
+        if not isinstance(self.ckpt, StackedView) or not kind.lead:
+            return
+        want = sorted({s.index[0] for s in sites(self.info, kind)})
+        for key in (kind.a_key, kind.b_key):
+            got = self.ckpt.layers.get(key, [])
+            if got != want:
+                raise ConversionError(f"{self.directory}: tensor {key} is stored for layers "
+                                      f"{got}, but the model has it on layers {want}")
 
     def _check_prefix(self) -> List[str]:
         """The prefix tensors' keys, each checked present with the shape the model and the
@@ -323,6 +339,9 @@ def write_adapter_checkpoint(save: str, info: ModelInfo, ranks: Dict[str, int], 
             tensors.append(McoreTensor(key, tuple(shape), tuple(chunks)))
             by_key[key] = (kind, which)
 
+    per_layer = info.shape.per_layer_keys  # megatron keys such a model's layers one by one
+    if per_layer:
+        tensors, extra = unstack(tensors), unstack_whole(extra or {})
     for key, value in (extra or {}).items():
         tensors.append(McoreTensor(key, tuple(value.shape), (Chunk((0,) * value.dim(),
                                                                    tuple(value.shape), None),)))
@@ -330,8 +349,9 @@ def write_adapter_checkpoint(save: str, info: ModelInfo, ranks: Dict[str, int], 
     def chunk_data(t: McoreTensor, c: Chunk) -> torch.Tensor:
         if t.key in (extra or {}):
             return extra[t.key].to(dtype).contiguous()
-        kind, which = by_key[t.key]
-        data = factors(site_of[(t.key, tuple(c.offsets))])[which]
+        key, offsets = stacked_key(t.key, c.offsets) if per_layer else (t.key, tuple(c.offsets))
+        kind, which = by_key[key]
+        data = factors(site_of[(key, offsets)])[which]
         return data.to(dtype).reshape(c.sizes).contiguous()
 
     common = {"iteration": 0, "consumed_samples": 0, "layout": None, "world_size": None,

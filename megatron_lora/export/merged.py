@@ -21,6 +21,7 @@ import torch
 
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_to_mcore import read_mcore_info
+from megatron_lora.convert.layer_keys import stacked_key
 from megatron_lora.convert.mcore_to_hf import DEFAULT_SHARD_BYTES, mcore_to_hf
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
@@ -45,12 +46,13 @@ class _Merger:
         return self._cached[1]
 
     def apply(self, key: str, chunk, box: torch.Tensor) -> torch.Tensor:
+        key, offsets = stacked_key(key, chunk.offsets)  # the table's stacked key and box
         kind = self.by_base.get(key)
         if kind is None:
             return box
-        site = self.sites[(kind.name, tuple(chunk.offsets[:kind.lead]))]
+        site = self.sites[(kind.name, offsets[:kind.lead])]
         a, b, scale, m = self._factors(site)
-        row0, rows = chunk.offsets[kind.lead], chunk.source.shape[0]
+        row0, rows = offsets[kind.lead], chunk.source.shape[0]
         if kind.name == "embedding":  # rows of (B A)^T: [rows, h]
             delta = (b @ a[:, row0:row0 + rows]).t()
         else:

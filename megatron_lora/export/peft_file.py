@@ -11,6 +11,7 @@ the table shows Mixtral's.
 | model.layers.L.self_attn.{q,k,v,o}_proj                 | A [r, in], B [out, r] |
 | model.layers.L.block_sparse_moe.experts.E.{w1,w2,w3}    | A [r, in], B [out, r] |
 | model.layers.L.block_sparse_moe.gate                    | A [r, h], B [E, r]    |
+| model.layers.L.mlp.{gate,up,down}_proj (dense layers between MoE layers) | A [r, in], B [out, r] |
 | model.embed_tokens (lora_embedding_A [r, V], lora_embedding_B [h, r]) | update (B A)^T |
 | lm_head                                                 | A [r, h], B [V, r]    |
 | transformers 5 fused: model.layers.L.mlp.experts[.base_layer] (gate_up_proj / down_proj, told apart by shape) | A [E r, in] (expert-major rows), B [out, E r] (column j = rank j // E of expert j % E) |
@@ -138,6 +139,8 @@ class _ModuleNames:
         self.gate = re.compile(f"^{_template(self.router[: -len('.weight')])}$")
         self.shared = re.compile(f"^{_template(n.layer + n.shared_expert)}("
                                  f"{'|'.join(mod(w) for w in (n.expert_gate, n.expert_up, n.expert_down))})$")
+        self.dense = re.compile(f"^{_template(n.layer + n.dense_mlp)}("
+                                f"{'|'.join(mod(w) for w in (n.expert_gate, n.expert_up, n.expert_down))})$")
         self.attn_names = ", ".join(w[: -len(".weight")].rsplit(".", 1)[-1]
                                     for w in (n.q, n.k, n.v, n.o))
 
@@ -323,8 +326,8 @@ class PeftAdapterFile:
         elif (m := mn.experts.match(on_disk)):
             self._layer(a_key, m.group(1), m.group(2))
             canonical = mn.expert.format(l=m.group(1), e=m.group(2)) + m.group(3)
-        elif (m := mn.shared.match(module)):  # a shared expert: plain linears
-            self._layer(a_key, m.group(1))
+        elif (m := mn.shared.match(module)) or (m := mn.dense.match(module)):
+            self._layer(a_key, m.group(1))  # a shared expert, a dense layer's MLP: linears
             canonical = module
         elif (m := mn.gate.match(on_disk)):
             self._layer(a_key, m.group(1))
@@ -335,6 +338,10 @@ class PeftAdapterFile:
         else:
             raise ConversionError(f"{self.path}: key {a_key!r}: module {module!r} is not a "
                                   f"{self.info.family.base_model_class} module this importer knows")
+        if canonical + ".weight" not in self._hf:  # e.g. a dense MLP on an MoE layer
+            raise ConversionError(f"{self.path}: key {a_key!r}: module {module!r} is not part of "
+                                  f"the model as config.json describes it "
+                                  f"({self.info.config_fields()})")
         out, inp = self._hf[canonical + ".weight"]
         if module == "model.embed_tokens":  # A [r, V], B [h, r]
             out, inp = inp, out

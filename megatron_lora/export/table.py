@@ -19,9 +19,15 @@ and experts as leading axes, global expert index; `lead` = number of leading axe
 | output_layer | output_layer.lora_A [r, h]                | output_layer.lora_B [Vp, r] |
 | shared_fc1   | decoder.layers.mlp.shared_experts.linear_fc1.lora_A [L, r, h] | ...lora_B [L, 2fs, r] |
 | shared_fc2   | decoder.layers.mlp.shared_experts.linear_fc2.lora_A [L, r, fs] | ...lora_B [L, h, r] |
+| dense_fc1    | decoder.layers.mlp.linear_fc1.lora_A [L, r, h] | ...lora_B [L, 2F, r] ([gate; up] rows) |
+| dense_fc2    | decoder.layers.mlp.linear_fc2.lora_A [L, r, F] | ...lora_B [L, h, r] |
 
-The shared experts' adapters (families with a shared expert) are LoRA target kinds linear_fc1 /
-linear_fc2 like the routed experts' (`Kind.target`), checkpointed as their own stacked tensors.
+The shared experts' adapters (families with a shared expert) and the MLP adapters of dense layers
+between MoE layers are LoRA target kinds linear_fc1 / linear_fc2 like the routed experts'
+(`Kind.target`), checkpointed as their own tensors. The table is written stacked over layers; a
+model with dense layers is checkpointed per layer (`decoder.layers.{l}.mlp.linear_fc1.lora_A`
+[r, h], ...: convert/layer_keys.py), where a kind has sites on its own layers only (the dense
+MLP's on dense layers, the router's and experts' on MoE layers).
 
 HF PEFT side (per-expert layout; module names from the family, Mixtral's shown; keys `base_model.model.{module}.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]; the embedding `base_model.model.model.embed_tokens.lora_embedding_A`
@@ -90,6 +96,10 @@ KINDS: Tuple[Kind, ...] = (
          "decoder.layers.mlp.shared_experts.linear_fc1.", 1, "linear_fc1"),
     Kind("shared_fc2", "decoder.layers.mlp.shared_experts.linear_fc2.weight",
          "decoder.layers.mlp.shared_experts.linear_fc2.", 1, "linear_fc2"),
+    Kind("dense_fc1", "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc1.", 1,
+         "linear_fc1"),
+    Kind("dense_fc2", "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.linear_fc2.", 1,
+         "linear_fc2"),
 )
 KIND_BY_NAME: Dict[str, Kind] = {k.name: k for k in KINDS}
 # re.search patterns selecting one kind among megatron's global adapter names (LoraConfig patterns)
@@ -103,6 +113,8 @@ KIND_PATTERN: Dict[str, str] = {
     "output_layer": r"^output_layer$",
     "shared_fc1": r"shared_experts\.linear_fc1$",
     "shared_fc2": r"shared_experts\.linear_fc2$",
+    "dense_fc1": r"layers\.\d+\.mlp\.linear_fc1$",
+    "dense_fc2": r"layers\.\d+\.mlp\.linear_fc2$",
 }
 
 
@@ -164,18 +176,20 @@ def _global_name(kind: str, index: Tuple[int, ...]) -> str:
         "linear_fc2": f"{layer}.mlp.experts.{index[-1]}.linear_fc2",
         "shared_fc1": f"{layer}.mlp.shared_experts.linear_fc1",
         "shared_fc2": f"{layer}.mlp.shared_experts.linear_fc2",
+        "dense_fc1": f"{layer}.mlp.linear_fc1",
+        "dense_fc2": f"{layer}.mlp.linear_fc2",
     }[kind]
 
 
 def model_kinds(info: ModelInfo) -> Tuple[Kind, ...]:
     """The kinds whose base weight `info`'s model has (shared experts only where it has them)."""
-    keys = {t.key for t in mcore_tensors(info)}
+    keys = {t.key for t in mcore_tensors(info, stacked=True)}
     return tuple(k for k in KINDS if k.base_key in keys)
 
 
 def sites(info: ModelInfo, kind: Kind) -> List[Site]:
     """Every adapter of `kind` in the model, in checkpoint order (layer, then expert)."""
-    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    base = {t.key: t for t in mcore_tensors(info, stacked=True)}[kind.base_key]
     groups: Dict[Tuple[int, ...], List[Part]] = {}
     for c in base.chunks:
         lead = tuple(c.offsets[: kind.lead])
@@ -187,13 +201,13 @@ def sites(info: ModelInfo, kind: Kind) -> List[Site]:
 
 def in_features(info: ModelInfo, kind: Kind) -> int:
     """Columns of the base weight (A's columns); for the embedding, the padded vocabulary."""
-    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    base = {t.key: t for t in mcore_tensors(info, stacked=True)}[kind.base_key]
     return base.shape[-1] if kind.name != "embedding" else base.shape[0]
 
 
 def factor_shapes(info: ModelInfo, kind: Kind, rank: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Global checkpoint shapes (A, B) of `kind` at rank `rank`."""
-    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    base = {t.key: t for t in mcore_tensors(info, stacked=True)}[kind.base_key]
     lead = tuple(base.shape[: kind.lead])
     if kind.name == "embedding":
         return (rank, base.shape[0]), (base.shape[1], rank)
@@ -238,7 +252,7 @@ def fuse_rows(part: Part, by_module: Dict[str, torch.Tensor], r: int, dtype) -> 
 def magnitude_shape(info: ModelInfo, kind: Kind) -> Tuple[int, ...]:
     """Global checkpoint shape of `kind`'s DoRA magnitude: the base weight's leading axes and
     rows."""
-    base = {t.key: t for t in mcore_tensors(info)}[kind.base_key]
+    base = {t.key: t for t in mcore_tensors(info, stacked=True)}[kind.base_key]
     return tuple(base.shape[: kind.lead + 1])
 
 

@@ -61,6 +61,10 @@ from megatron_lora.export.table import (
 )
 from megatron_lora.families import read_hf_config
 
+# The table's kinds of a dense layer's MLP (between MoE layers).
+DENSE = ("dense_fc1", "dense_fc2")
+
+
 def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float], order):
     """rank_pattern, alpha_pattern (PEFT syntax) for modules whose (r, alpha) differ from default;
     order: the family's short module names in model order (HFNames.peft_order)."""
@@ -83,11 +87,14 @@ def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float], 
     return rank_p, alpha_p
 
 
-def _target_name(names, module: str) -> str:
+def _target_name(names, module: str, dense: bool = False) -> str:
     """PEFT's target_modules entry of an HF module: its short name, with the shared expert's
-    parent (`shared_expert.gate_proj`) so that it names the shared expert alone."""
+    parent (`shared_expert.gate_proj`) so that it names the shared expert alone, and a dense
+    layer's MLP with its parent (`mlp.gate_proj`: not the shared expert's)."""
     shared = names.shared_expert.rstrip(".").rsplit(".", 1)[-1]
     parts = module.split(".")
+    if dense:
+        return names.dense_mlp + parts[-1]
     if len(parts) > 1 and parts[-2] == shared:
         return f"{shared}.{parts[-1]}"
     return parts[-1]
@@ -183,6 +190,18 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     default = _default(values, gate)
     order = names.peft_order()
     parameters = []
+    dense = {m for s in plan if s.kind.name in DENSE for m in s.modules()}
+    if dense and not fused:
+        # PEFT moves every target_modules entry ending in gate_proj / up_proj / down_proj onto
+        # the fused experts, which would drop the dense layers' adapters: their weights are
+        # named as target_parameters instead (lora.ParamWrapper on the nn.Linear weight, the
+        # same update and keys), all at the adapter's default (r, alpha).
+        if peft_fused.check_uniform(values, sorted(dense), "dense-layer MLP") != default:
+            raise ConversionError(f"{adapter}: the dense layers' MLP adapters have another "
+                                  f"(rank, alpha) than the adapter's default; PEFT takes them "
+                                  f"as target_parameters with the global r and lora_alpha")
+        parameters = sorted({names.dense_mlp + short_name(m) + ".weight" for m in dense},
+                            key=lambda t: order.index(t.split(".")[-2]))
     if fused:  # router and routed experts: target_parameters, one (r, alpha) for all experts
         routed = [m for s in plan if s.kind.name in peft_fused.ROUTED for m in s.modules()]
         if routed and peft_fused.check_uniform(values, routed, "gate_up_proj / down_proj") \
@@ -192,11 +211,12 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                                   f"lora_alpha")
         parameters = peft_fused.target_parameters(names, kinds)
         wrapped = set(routed) | {m for s in plan if s.kind.name == "router" for m in s.modules()}
-        plain = {m: v for m, v in values.items() if m not in wrapped}
     else:
-        plain = values
+        wrapped = dense
+    plain = {m: v for m, v in values.items() if m not in wrapped}
     rank_p, alpha_p = _patterns(plain, default, order)
-    shorts = sorted({_target_name(names, m) for m in plain}, key=lambda t: _rank(order, t))
+    shorts = sorted({_target_name(names, m, m in dense) for m in plain},
+                    key=lambda t: _rank(order, t))
     dropout, changed = inference_dropout(
         ckpt.config.lora_dropout, shorts + [short_name(m) for m in values if m not in plain],
         names.parameter_modules())

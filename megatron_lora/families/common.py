@@ -87,16 +87,33 @@ def num_experts(f: Fields) -> int:
     return f.integer("num_local_experts")
 
 
-def refuse_dense_layers(f: Fields) -> None:
-    """Qwen's dense layers between MoE layers (`mlp_only_layers`, `decoder_sparse_step`)."""
+def dense_layers(f: Fields, pattern, ffn_field: str = "intermediate_size") -> dict:
+    """The ModelShape fields of a decoder with dense layers between its MoE layers: `pattern` is
+    per layer 1 (MoE) or 0 (dense, a SwiGLU MLP of the config's `ffn_field`); {} when every layer
+    is MoE (such models keep megatron's stacked checkpoint layout). Shared by the families that
+    place dense layers by a list (Qwen's `mlp_only_layers`) or a count (`first_k_dense_replace`)."""
+    pattern = tuple(int(bool(x)) for x in pattern)
+    if 0 not in pattern:
+        return {}
+    if 1 not in pattern:
+        raise ModelConfigError(f"{f.source}: every layer is dense (no MoE layer); dense models "
+                               f"are not supported")
+    return dict(moe_layer_pattern=pattern, dense_ffn_hidden_size=f.integer(ffn_field))
+
+
+def qwen_moe_layers(f: Fields, num_layers: int) -> list:
+    """Qwen's MoE layers as transformers builds them: layer l is sparse iff l is not in
+    `mlp_only_layers` and (l + 1) % `decoder_sparse_step` == 0 (num_experts > 0 is read
+    elsewhere); a listed layer outside the model is refused rather than ignored."""
     dense = f.get("mlp_only_layers", list, default=[], nullable=True) or []
-    if dense:
-        raise ModelConfigError(f"{f.source}: field mlp_only_layers={dense}: dense layers between "
-                               f"the MoE layers are not supported yet")
+    bad = [x for x in dense if isinstance(x, bool) or not isinstance(x, int)
+           or not 0 <= x < num_layers]
+    if bad:
+        raise ModelConfigError(f"{f.source}: field mlp_only_layers={short(dense)}: "
+                               f"{short(bad[0])} is not a layer index 0..{num_layers - 1} "
+                               f"(num_hidden_layers={num_layers})")
     step = f.integer("decoder_sparse_step", default=1)
-    if step != 1:
-        raise ModelConfigError(f"{f.source}: field decoder_sparse_step={step}: dense layers "
-                               f"between the MoE layers are not supported yet (use 1)")
+    return [int(l not in dense and (l + 1) % step == 0) for l in range(num_layers)]
 
 
 def moe_sizes(f: Fields, ffn_field: str, experts: Callable[[Fields], int], eps: float,

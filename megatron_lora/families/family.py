@@ -41,6 +41,7 @@ class HFNames:
     k_norm: str = "self_attn.k_norm.weight"
     shared_expert: str = "mlp.shared_expert."  # with expert_gate / _up / _down (shared experts)
     shared_expert_gate: str = "mlp.shared_expert_gate.weight"
+    dense_mlp: str = "mlp."  # a dense layer's MLP, with expert_gate / _up / _down
     post_attention_norm: str = "post_attention_layernorm.weight"
     final_norm: str = "model.norm.weight"
     output: str = "lm_head.weight"
@@ -80,7 +81,8 @@ class Family:
         field (`fields` is a families.fields.Fields over cfg).
     names: the HF tensor names.
     experts_field / ffn_field: the config fields giving the expert count and the expert FFN size
-        (for messages that say which field a size comes from).
+        (for messages that say which field a size comes from); dense_ffn_field: the dense
+        layers' FFN size (models with dense layers between the MoE layers).
     transformers_module: the transformers module defining its model (PEFT's `parent_library`).
     peft_fused_experts: PEFT (0.21, on transformers 5) takes this family's router and routed-
         expert adapters only as `target_parameters` on the fused parameters (export/peft_fused.py);
@@ -99,6 +101,7 @@ class Family:
     experts_field: str
     ffn_field: str
     transformers_module: str
+    dense_ffn_field: str = "intermediate_size"
     module_aliases: Tuple[Tuple[str, str], ...] = ()
     peft_fused_experts: bool = False
     refuses: Tuple[str, ...] = ()
@@ -151,9 +154,11 @@ class ModelInfo:
         return SimpleNamespace(
             num_layers=s.num_layers, hidden_size=s.hidden_size,
             num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups,
-            kv_channels=self.head_dim, ffn_hidden_size=s.ffn_hidden_size,
+            kv_channels=self.head_dim,
+            ffn_hidden_size=s.dense_ffn_hidden_size or s.ffn_hidden_size,
             moe_ffn_hidden_size=s.ffn_hidden_size, num_moe_experts=s.num_experts,
             moe_shared_expert_intermediate_size=s.shared_expert_ffn_hidden_size,
+            moe_layer_freq=list(s.moe_layer_pattern) if s.moe_layer_pattern else 1,
             gated_linear_unit=True)
 
     def layout_problems(self, layout: ParallelLayout, world_size: int,

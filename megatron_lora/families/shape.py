@@ -9,7 +9,7 @@ layout, so one checkpoint loads at any TP that divides the padded vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 VOCAB_MULTIPLE = 128
 
@@ -34,6 +34,12 @@ class ModelShape:
     shared_expert_ffn_hidden_size: a shared expert beside the routed ones (every token, SwiGLU of
     this size; megatron's moe_shared_expert_intermediate_size); None: none.
     shared_expert_gate: the shared expert's output scaled by sigmoid(x . gate) ([1, h] weight).
+    moe_layer_pattern: per layer, 1 for an MoE layer and 0 for a dense one (a SwiGLU MLP of
+    dense_ffn_hidden_size; megatron's `moe_layer_freq` list); None: every layer is MoE. A model
+    with dense layers is stored by megatron-core under per-layer keys (`decoder.layers.{l}.`),
+    so None is kept for all-MoE models: their checkpoints stay stacked over layers.
+    dense_ffn_hidden_size: the dense layers' FFN size (megatron's ffn_hidden_size; HF
+    `intermediate_size`), set exactly when some layer is dense.
     """
 
     vocab_size: int
@@ -55,6 +61,8 @@ class ModelShape:
     add_qkv_bias: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
     shared_expert_gate: bool = False
+    moe_layer_pattern: Optional[Tuple[int, ...]] = None
+    dense_ffn_hidden_size: Optional[int] = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -81,6 +89,35 @@ class ModelShape:
                 f"ModelShape.moe_router_topk={self.moe_router_topk} must be in "
                 f"[1, num_experts={self.num_experts}]"
             )
+        self._check_layer_pattern()
+
+    def _check_layer_pattern(self) -> None:
+        pattern = self.moe_layer_pattern
+        if pattern is None:
+            if self.dense_ffn_hidden_size is not None:
+                raise ValueError("ModelShape.dense_ffn_hidden_size needs dense layers "
+                                 "(moe_layer_pattern with a 0)")
+            return
+        if len(pattern) != self.num_layers or set(pattern) - {0, 1}:
+            raise ValueError(f"ModelShape.moe_layer_pattern must be {self.num_layers} values of "
+                             f"0 (dense) or 1 (MoE), got {list(pattern)}")
+        if 0 not in pattern:
+            raise ValueError("ModelShape.moe_layer_pattern without a dense layer: use None")
+        if 1 not in pattern or not self.num_experts:
+            raise ValueError("ModelShape.moe_layer_pattern has no MoE layer (a dense model)")
+        if self.dense_ffn_hidden_size is None or self.dense_ffn_hidden_size < 1:
+            raise ValueError(f"ModelShape.dense_ffn_hidden_size must be >= 1 with dense layers, "
+                             f"got {self.dense_ffn_hidden_size}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` is an MoE layer (else a dense MLP)."""
+        return self.moe_layer_pattern is None or bool(self.moe_layer_pattern[layer])
+
+    @property
+    def per_layer_keys(self) -> bool:
+        """megatron-core keys this model's layers per layer (`decoder.layers.{l}.`), not stacked
+        on a leading layer axis: it does so for any `moe_layer_freq` list."""
+        return self.moe_layer_pattern is not None
 
     @property
     def head_dim(self) -> int:
@@ -103,7 +140,18 @@ class ModelShape:
             num_experts=self.num_experts or 0,
             ffn_hidden_size=None if self.num_experts else self.ffn_hidden_size,
             moe_ffn_hidden_size=self.ffn_hidden_size if self.num_experts else None,
-        )
+        ) | ({"ffn_hidden_size": self.dense_ffn_hidden_size} if self.dense_ffn_hidden_size else {})
+
+
+def moe_layer_pattern(moe_layer_freq, num_layers: int, num_experts) -> list:
+    """Per global layer 1 (MoE) or 0 (dense) as megatron-core reads TransformerConfig's
+    `moe_layer_freq`: an int f makes layer l MoE iff l % f == 0, a list is the pattern itself;
+    all 0 without experts."""
+    if not num_experts:
+        return [0] * num_layers
+    if isinstance(moe_layer_freq, int):
+        return [int(l % moe_layer_freq == 0) for l in range(num_layers)]
+    return [int(x) for x in moe_layer_freq]
 
 
 def tiny_moe_shape(**overrides) -> ModelShape:

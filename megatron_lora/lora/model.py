@@ -234,10 +234,11 @@ def validate_for_model(model, config: LoraConfig) -> None:
         from megatron.core.transformer.moe.experts import SequentialMLP
 
         for layer in getattr(getattr(m, "decoder", None), "layers", []):
-            if not isinstance(layer.mlp.experts, SequentialMLP):
+            experts = getattr(layer.mlp, "experts", None)  # None: a dense layer's MLP
+            if experts is not None and not isinstance(experts, SequentialMLP):
                 problems.append(
                     f"expert LoRA (linear_fc1/linear_fc2) needs SequentialMLP experts; this model "
-                    f"has {type(layer.mlp.experts).__name__} (build it with moe_grouped_gemm=False)"
+                    f"has {type(experts).__name__} (build it with moe_grouped_gemm=False)"
                 )
                 break
     if config.num_virtual_tokens:

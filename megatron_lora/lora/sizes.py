@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import List, Tuple
 
+from megatron_lora.families.shape import moe_layer_pattern
 from megatron_lora.lora.targets import KINDS
 
 
@@ -52,7 +53,8 @@ def config_problems(config, sizes, vocab_size: int, *, rank_name: str = "LoraCon
 
     sizes: a TransformerConfig, or any object with its size fields (num_layers, hidden_size,
         num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size,
-        moe_ffn_hidden_size, num_moe_experts, gated_linear_unit).
+        moe_ffn_hidden_size, num_moe_experts, gated_linear_unit; moe_layer_freq if some layers
+        are dense, ffn_hidden_size then being their MLP's size).
     rank_name / pattern_name / targets_name / alpha_pattern_name: how the messages call r,
         rank_pattern, target_modules and alpha_pattern (a CLI passes its flags, e.g.
         "--lora-rank").
@@ -97,6 +99,20 @@ def _unmatched_pattern_problems(config, sizes, pattern_name: str,
     return problems
 
 
+def _moe_layers(tconf) -> list:
+    """Per layer 1 (MoE) or 0 (dense MLP), as megatron builds them from moe_layer_freq."""
+    return moe_layer_pattern(getattr(tconf, "moe_layer_freq", 1), tconf.num_layers,
+                             tconf.num_moe_experts)
+
+
+def _dense_names(kind: str, tconf) -> List[str]:
+    """The dense layers' MLP adapters of a model with experts (moe_layer_freq with 0s)."""
+    if kind not in ("linear_fc1", "linear_fc2") or not tconf.num_moe_experts:
+        return []
+    return [f"decoder.layers.{l}.mlp.{kind}" for l, moe in enumerate(_moe_layers(tconf))
+            if not moe]
+
+
 def _shared_ffn(tconf) -> int:
     """The shared expert's FFN size (megatron's moe_shared_expert_intermediate_size), or 0."""
     return (getattr(tconf, "moe_shared_expert_intermediate_size", None) or 0) \
@@ -106,14 +122,22 @@ def _shared_ffn(tconf) -> int:
 def _shared_names(kind: str, tconf) -> List[str]:
     if kind not in ("linear_fc1", "linear_fc2") or not _shared_ffn(tconf):
         return []
-    return [f"decoder.layers.{l}.mlp.shared_experts.{kind}" for l in range(tconf.num_layers)]
+    return [f"decoder.layers.{l}.mlp.shared_experts.{kind}"
+            for l, moe in enumerate(_moe_layers(tconf)) if moe]
 
 
 def _stacks(tconf, kinds, vocab_size: int):
     """(kind, global names, features) of every group of adapters checkpointed as one stacked
-    tensor: a kind's routed (or dense) adapters, and the shared experts' of fc1 / fc2."""
+    tensor: a kind's routed (or dense) adapters, the shared experts' of fc1 / fc2, and the dense
+    layers' MLP (between MoE layers) of fc1 / fc2."""
     for kind in kinds:
         yield kind, _global_names(kind, tconf, shared=False), _features(tconf, kind, vocab_size)
+        dense = _dense_names(kind, tconf)
+        if dense:
+            fd = tconf.ffn_hidden_size
+            hid, inter = (tconf.hidden_size, "hidden size"), (fd, "dense MLP ffn size")
+            fc1 = (2 * fd if tconf.gated_linear_unit else fd, "dense MLP fc1 rows")
+            yield kind, dense, ((hid, fc1) if kind == "linear_fc1" else (inter, hid))
         shared = _shared_names(kind, tconf)
         if shared:
             fs = _shared_ffn(tconf)
@@ -123,19 +147,22 @@ def _stacks(tconf, kinds, vocab_size: int):
 
 
 def _global_names(kind: str, tconf, shared: bool = True) -> List[str]:
-    """Global adapter names of `kind` (with the shared experts' unless shared=False)."""
+    """Global adapter names of `kind` (with the shared experts' and the dense layers' MLP unless
+    shared=False)."""
     if shared:
-        return _global_names(kind, tconf, shared=False) + _shared_names(kind, tconf)
+        return (_global_names(kind, tconf, shared=False) + _shared_names(kind, tconf)
+                + _dense_names(kind, tconf))
     layers = range(tconf.num_layers)
     if kind in ("embedding", "output_layer"):
         return [kind]
     if kind == "router":
-        return [f"decoder.layers.{l}.mlp.router" for l in layers]
+        return [f"decoder.layers.{l}.mlp.router" for l, moe in enumerate(_moe_layers(tconf))
+                if moe]
     if kind in ("linear_qkv", "linear_proj"):
         return [f"decoder.layers.{l}.self_attention.{kind}" for l in layers]
     if tconf.num_moe_experts:
-        return [f"decoder.layers.{l}.mlp.experts.{e}.{kind}" for l in layers
-                for e in range(tconf.num_moe_experts)]
+        return [f"decoder.layers.{l}.mlp.experts.{e}.{kind}" for l, moe in
+                enumerate(_moe_layers(tconf)) if moe for e in range(tconf.num_moe_experts)]
     return [f"decoder.layers.{l}.mlp.{kind}" for l in layers]
 
 
@@ -147,7 +174,8 @@ def _rank_consistency_problems(config, tconf,
     problems = []
     for kind in config.target_modules:
         for what, names in (("", _global_names(kind, tconf, shared=False)),
-                            ("shared-expert ", _shared_names(kind, tconf))):
+                            ("shared-expert ", _shared_names(kind, tconf)),
+                            ("dense-MLP ", _dense_names(kind, tconf))):
             ranks = {config.adapter_config(n).rank for n in names}
             if len(ranks) > 1:
                 problems.append(

@@ -50,7 +50,8 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
     qk_norm_full_width: query/key norms over the whole projection (ModelShape.qk_norm_full_width,
     OLMoE); both specs build them as models.qk_norm's modules (TE has only per-head norms).
     """
-    from megatron_lora.models.specs import core_attention_class, local_block_spec, with_qk_norms
+    from megatron_lora.models.specs import (core_attention_class, local_block_spec,
+                                            stage_layer_specs, with_qk_norms)
 
     core_attention_class(attention_backend)  # an unknown or unsupported name fails first
     if use_te is None:
@@ -79,24 +80,25 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
-        get_num_layers_to_build,
     )
 
-    layer = get_gpt_layer_with_transformer_engine_spec(config.num_moe_experts, moe_grouped_gemm=False,
-                                                       qk_layernorm=config.qk_layernorm)
-    if qk_norm_full_width:
-        layer = with_qk_norms(layer, full_width=True)
-    # TE fuses the input norm into linear_qkv (key linear_qkv.layer_norm_weight); the MoE
-    # pre-MLP norm is a separate TENorm. Store it under the same key as the local spec does, so
-    # one checkpoint serves both specs.
-    keys_map = dict(layer.submodules.sharded_state_dict_keys_map or {})
-    keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
-    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, sharded_state_dict_keys_map=keys_map))
-    num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+    def layer(num_experts):
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=config.qk_layernorm)
+        if qk_norm_full_width:
+            spec = with_qk_norms(spec, full_width=True)
+        # TE fuses the input norm into linear_qkv (key linear_qkv.layer_norm_weight); the MoE
+        # pre-MLP norm is a separate TENorm. Store it under the same key as the local spec
+        # does, so one checkpoint serves both specs.
+        keys_map = dict(spec.submodules.sharded_state_dict_keys_map or {})
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+        return dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, sharded_state_dict_keys_map=keys_map))
+
+    layers = stage_layer_specs(config, pp_rank, layer(config.num_moe_experts), layer(None))
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TENorm),
+        submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm),
     )
 
 

@@ -30,7 +30,8 @@ def transformer_config(
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
-        ffn_hidden_size=shape.ffn_hidden_size,
+        # the dense layers' MLP (experts take moe_ffn_hidden_size)
+        ffn_hidden_size=shape.dense_ffn_hidden_size or shape.ffn_hidden_size,
         kv_channels=shape.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=shape.norm_epsilon,
@@ -70,6 +71,8 @@ def transformer_config(
             moe_router_dtype="fp32",
             moe_router_pre_softmax=shape.moe_router_pre_softmax,
         )
+        if shape.moe_layer_pattern:  # a list, never megatron's int (l % freq == 0 is not HF's)
+            kwargs["moe_layer_freq"] = list(shape.moe_layer_pattern)
         if shape.shared_expert_ffn_hidden_size:
             kwargs.update(moe_shared_expert_intermediate_size=shape.shared_expert_ffn_hidden_size,
                           moe_shared_expert_gate=shape.shared_expert_gate)

@@ -34,7 +34,9 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_lora.families.shape import moe_layer_pattern
 from megatron_lora.models.attention import SDPAttention
 from megatron_lora.models.grouped_experts import GroupedExperts
 from megatron_lora.models.norm import RMSNorm
@@ -120,6 +122,18 @@ def local_layer_spec(
     return spec
 
 
+def stage_layer_specs(config: TransformerConfig, pp_rank: Optional[int], moe_layer,
+                      dense_layer) -> list:
+    """This pipeline stage's layer specs: `moe_layer` or `dense_layer` by the global index of
+    each layer it builds (megatron's own stage offset)."""
+    num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers, config.num_moe_experts)
+    if all(pattern):
+        return [moe_layer] * num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=None, pp_rank=pp_rank)
+    return [moe_layer if pattern[offset + i] else dense_layer for i in range(num_layers)]
+
+
 def local_block_spec(
     config: TransformerConfig,
     pp_rank: Optional[int] = None,
@@ -128,15 +142,18 @@ def local_block_spec(
     qk_norm_full_width: bool = False,
 ) -> ModuleSpec:
     """A TransformerBlock spec for this pipeline stage's layers with an RMSNorm final norm;
-    qk_norm_full_width: the model's query/key norms run over the whole width (OLMoE,
-    ModelShape.qk_norm_full_width)."""
+    dense layers (config.moe_layer_freq) get a dense MLP; qk_norm_full_width: the model's
+    query/key norms run over the whole width (OLMoE, ModelShape.qk_norm_full_width)."""
     if qk_norm_full_width and not config.qk_layernorm:
         raise ValueError("qk_norm_full_width needs a config with qk_layernorm")
-    layer = local_layer_spec(config.num_moe_experts, moe_grouped_gemm, attention_backend,
-                             qk_layernorm=config.qk_layernorm,
-                             qk_norm_full_width=qk_norm_full_width)
-    num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+
+    def layer(num_experts):
+        return local_layer_spec(num_experts, moe_grouped_gemm, attention_backend,
+                                qk_layernorm=config.qk_layernorm,
+                                qk_norm_full_width=qk_norm_full_width)
+
+    layers = stage_layer_specs(config, pp_rank, layer(config.num_moe_experts), layer(None))
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm),
+        submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm),
     )

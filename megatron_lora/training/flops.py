@@ -83,9 +83,17 @@ def shape_sizes(shape: ModelShape) -> SimpleNamespace:
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.head_dim,
-        ffn_hidden_size=shape.ffn_hidden_size, moe_ffn_hidden_size=shape.ffn_hidden_size,
+        ffn_hidden_size=shape.dense_ffn_hidden_size or shape.ffn_hidden_size,
+        moe_ffn_hidden_size=shape.ffn_hidden_size,
         num_moe_experts=shape.num_experts, gated_linear_unit=True,
-        moe_shared_expert_intermediate_size=shape.shared_expert_ffn_hidden_size)
+        moe_shared_expert_intermediate_size=shape.shared_expert_ffn_hidden_size,
+        moe_layer_freq=list(shape.moe_layer_pattern) if shape.moe_layer_pattern else 1)
+
+
+def _layer_counts(shape: ModelShape) -> Tuple[int, int]:
+    """(MoE layers, dense layers between them) of a model with experts."""
+    moe = sum(shape.moe_layer_pattern) if shape.moe_layer_pattern else shape.num_layers
+    return moe, shape.num_layers - moe
 
 
 def _in_out(sizes, kind: str, vocab: int) -> Tuple[int, int]:
@@ -99,13 +107,15 @@ def active_linear_macs(shape: ModelShape) -> int:
     per_layer = sum(a * b for a, b in (_in_out(sizes, k, v) for k in ("linear_qkv",
                                                                         "linear_proj")))
     mlp = sum(a * b for a, b in (_in_out(sizes, k, v) for k in _EXPERT_KINDS))
-    if shape.num_experts:
-        per_layer += shape.hidden_size * shape.num_experts + shape.moe_router_topk * mlp
-        fs = shape.shared_expert_ffn_hidden_size or 0  # every token: SwiGLU fc1, fc2, its gate
-        per_layer += 3 * fs * shape.hidden_size + shape.hidden_size * shape.shared_expert_gate
-    else:
-        per_layer += mlp
-    return shape.num_layers * per_layer + shape.hidden_size * v
+    if not shape.num_experts:
+        return shape.num_layers * (per_layer + mlp) + shape.hidden_size * v
+    fs = shape.shared_expert_ffn_hidden_size or 0  # every token: SwiGLU fc1, fc2, its gate
+    moe = (shape.hidden_size * shape.num_experts + shape.moe_router_topk * mlp
+           + 3 * fs * shape.hidden_size + shape.hidden_size * shape.shared_expert_gate)
+    n_moe, n_dense = _layer_counts(shape)
+    dense = 3 * (shape.dense_ffn_hidden_size or 0) * shape.hidden_size  # SwiGLU fc1, fc2
+    return (shape.num_layers * per_layer + n_moe * moe + n_dense * dense
+            + shape.hidden_size * v)
 
 
 def _kind_rank(lora, sizes, kind: str) -> int:
@@ -118,7 +128,9 @@ def _visits(shape: ModelShape, kind: str) -> int:
     if kind in ("embedding", "output_layer"):
         return 1
     if kind in _EXPERT_KINDS and shape.num_experts:
-        return shape.num_layers * shape.moe_router_topk
+        return _layer_counts(shape)[0] * shape.moe_router_topk
+    if kind == "router":
+        return _layer_counts(shape)[0]
     return shape.num_layers
 
 
@@ -135,7 +147,11 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
         if kind in _EXPERT_KINDS and shape.num_experts and fs:  # the shared expert's adapters
             rows = 2 * fs if kind == "linear_fc1" else h
             cols = h if kind == "linear_fc1" else fs
-            per_token += 6 * r * (rows + cols) * shape.num_layers
+            per_token += 6 * r * (rows + cols) * _layer_counts(shape)[0]
+        fd = shape.dense_ffn_hidden_size
+        if kind in _EXPERT_KINDS and fd:  # the dense layers' MLP adapters
+            rows, cols = (2 * fd, h) if kind == "linear_fc1" else (h, fd)
+            per_token += 6 * r * (rows + cols) * _layer_counts(shape)[1]
         if lora.use_dora:
             adapters = len(_global_names(kind, sizes))  # every expert's norm, visited or not
             per_forward += 2 * n_out * n_in * (r + 1) * adapters

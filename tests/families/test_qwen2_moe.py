@@ -1,11 +1,14 @@
 """Qwen2-MoE against transformers 5.24's own Qwen2MoeForCausalLM and PEFT 0.21.
 
 A tiny random model made by transformers in the test: q/k/v biases, a shared expert beside 4
-routed experts with its sigmoid gate, norm_topk_prob false (and a tied variant with true), norms
-moved off 1. The same checks as every family (tests/families/_support.py): config and refusals,
+routed experts with its sigmoid gate, norm_topk_prob false, dense layers 0 and 3
+(`mlp_only_layers`: SwiGLU MLPs of `intermediate_size`, the first and last layer, one on either
+PP2 stage; megatron keys such a model per layer), and a tied variant with true and every layer
+MoE; norms moved off 1. The same checks as every family (tests/families/_support.py): config and refusals,
 the tensors megatron builds are the mapping's, bit-identical round trip, logits within 1e-4 at
 1 rank, PP2xEP2, TP2xEP2+SP and ETP2 (grouped), and LoRA on every linear kind - the shared
-expert's included - trained at PP2xEP2 as at one rank, exported to PEFT (logits), imported and
+expert's and the dense layers' MLP included - trained at PP2xEP2 and TP2xEP2+SP as at one rank,
+exported to PEFT (logits; the dense MLP as target_modules `mlp.gate_proj` ...), imported and
 generated with.
 """
 
@@ -23,8 +26,10 @@ CONFIG = dict(vocab_size=250, hidden_size=64, intermediate_size=80, moe_intermed
               shared_expert_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
               max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6,
-              architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe")
-VARIANTS = {"hf": {}, "tied": dict(tie_word_embeddings=True, norm_topk_prob=True)}
+              mlp_only_layers=[0, 3], architectures=["Qwen2MoeForCausalLM"],
+              model_type="qwen2_moe")
+VARIANTS = {"hf": {}, "tied": dict(tie_word_embeddings=True, norm_topk_prob=True,
+                                   mlp_only_layers=[])}
 
 
 def make(directory: str, seed: int = 0, **overrides) -> None:
@@ -54,11 +59,17 @@ def test_config_gives_the_sizes_megatron_builds():
     assert s.add_qkv_bias and s.shared_expert_ffn_hidden_size == 40 and s.shared_expert_gate
     assert s.moe_router_pre_softmax and (s.ffn_hidden_size, s.num_experts) == (48, 4)
     assert not model_info(dict(CONFIG, qkv_bias=False)).shape.add_qkv_bias
+    assert (s.moe_layer_pattern, s.dense_ffn_hidden_size) == ((0, 1, 1, 0), 80)
+    stepped = model_info(dict(CONFIG, mlp_only_layers=[3], decoder_sparse_step=2)).shape
+    assert stepped.moe_layer_pattern == (0, 1, 0, 0)  # (l + 1) % 2 == 0 and l not listed
+    assert model_info(dict(CONFIG, mlp_only_layers=None)).shape.moe_layer_pattern is None
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(mlp_only_layers=[0]), "field mlp_only_layers=[0]: dense layers"),
-    (dict(decoder_sparse_step=2), "field decoder_sparse_step=2: dense layers"),
+    (dict(mlp_only_layers=[0, "1"]), "field mlp_only_layers=[0, '1']: '1' is not a layer index"),
+    (dict(mlp_only_layers=[0, 1, 2, 3]), "every layer is dense (no MoE layer)"),
+    (dict(intermediate_size=None),  # read only with dense layers
+     "field 'intermediate_size' must be a positive integer, got null"),
     (dict(shared_expert_intermediate_size=0),
      "field 'shared_expert_intermediate_size' must be a positive integer, got 0"),
     (dict(use_sliding_window=True, sliding_window=64), "field sliding_window=64 is smaller"),
@@ -116,10 +127,15 @@ def trained(qwen2):
 @pytest.mark.parametrize("run", ["run4", "run_tp"], ids=["PP2xEP2", "TP2xEP2+SP"])
 def test_training_at_another_layout_is_the_one_rank_run(trained, run):
     adapter = F.check_training_parity(trained, run)
+    # per-layer keys (dense layers 0 and 3): the shared expert's adapters on the MoE layers,
+    # the dense MLP's on the dense ones
     shared = sorted(k for k in adapter if "shared_experts" in k)
-    assert shared == [f"decoder.layers.mlp.shared_experts.linear_fc{i}.lora_{ab}"
-                      for i in (1, 2) for ab in "AB"], shared
-    assert all(adapter[k].abs().max() > 0 for k in shared)
+    assert shared == [f"decoder.layers.{l}.mlp.shared_experts.linear_fc{i}.lora_{ab}"
+                      for l in (1, 2) for i in (1, 2) for ab in "AB"], shared
+    dense = sorted(k for k in adapter if ".mlp.linear_fc" in k)
+    assert dense == [f"decoder.layers.{l}.mlp.linear_fc{i}.lora_{ab}"
+                     for l in (0, 3) for i in (1, 2) for ab in "AB"], dense
+    assert all(adapter[k].abs().max() > 0 for k in shared + dense)
 
 
 def test_peft_export_loads_in_transformers_with_our_logits(trained):
@@ -129,9 +145,11 @@ def test_peft_export_loads_in_transformers_with_our_logits(trained):
     # it: router and routed experts are parameters, the shared expert named apart from them
     assert config["target_parameters"] == ["mlp.gate.weight", "mlp.experts.gate_up_proj",
                                            "mlp.experts.down_proj"]
+    # the dense layers' MLP named with its parent, apart from the shared expert's
     assert sorted(config["target_modules"]) == sorted(
         ["embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
-         "shared_expert.up_proj", "shared_expert.down_proj", "lm_head"])
+         "shared_expert.up_proj", "shared_expert.down_proj", "mlp.gate_proj", "mlp.up_proj",
+         "mlp.down_proj", "lm_head"])
     assert config["use_rslora"] is True and config["lora_dropout"] == 0.0
 
 
@@ -151,7 +169,7 @@ def test_shared_expert_rank_pattern_is_checked_apart_from_the_routed_experts():
     ok = LoraConfig(r=4, target_modules=["linear_fc1"], rank_pattern={"shared_experts": 2})
     assert model_problems(ok, info) == []  # one stack each: routed at 4, shared at 2
     bad = LoraConfig(r=4, target_modules=["linear_fc1"],
-                     rank_pattern={r"layers\.0\.mlp\.shared_experts": 2})
+                     rank_pattern={r"layers\.1\.mlp\.shared_experts": 2})
     (msg,) = model_problems(bad, info)
     assert "gives the shared-expert linear_fc1 adapters different ranks [2, 4]" in msg
     big = LoraConfig(r=4, target_modules=["linear_fc2"], rank_pattern={"shared_experts": 48})

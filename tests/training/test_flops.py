@@ -80,6 +80,22 @@ def test_lora_step_matches_the_matmuls_counted_by_hand():
     assert count.per_token == hand_count() / T
 
 
+def test_a_dense_layer_between_moe_layers_counts_its_own_mlp():
+    """Layer 0 a dense SwiGLU MLP of ffn 10 (every token, no router), layer 1 MoE."""
+    import dataclasses
+
+    shape = dataclasses.replace(SHAPE, moe_layer_pattern=(0, 1), dense_ffn_hidden_size=10)
+    count = lora_step_flops(shape, LoraConfig(r=R, lora_alpha=4, target_modules=TARGETS), S, T)
+    dense = [(T, 8 + 2 * 4, 8), (T, 8, 8), (T, 2 * 10, 8), (T, 8, 10)]
+    base = (sum(mm(*x) for x in dense) + sum(mm(*x) for x in base_forward_matmuls())
+            + mm(T, 16, 8))
+    adapters = (lora_matmuls(T, 8, 16, R) + lora_matmuls(T, 8, 8, R)) * 2 + (
+        lora_matmuls(T, 8, 20, R) + lora_matmuls(T, 10, 8, R)
+        + lora_matmuls(2 * T, 8, 24, R) + lora_matmuls(2 * T, 12, 8, R))
+    want = 2 * base + attention_forward() * 3 * 2 + sum(mm(*x) for x in adapters)
+    assert count.total == want
+
+
 def test_full_fine_tuning_counts_every_weight_gradient():
     count = lora_step_flops(SHAPE, None, S, T)
     assert count.total == hand_count(full=True)

@@ -2,8 +2,8 @@
 on a copy of the checkpoint whose decoder projections were replaced by bitsandbytes' own round
 trip (each HF tensor, each expert's matrix on its own), at one rank, PP2xEP2 and TP2xEP2+SP
 (grouped experts there), with the ranks holding ~0.516 bytes per frozen decoder parameter; DoRA's
-magnitude is the row norm of the dequantised weight; and LoRA trained on the NF4 base at
-TP2xEP2+SP gives the one-rank run's losses and adapters.
+magnitude is the row norm of the dequantised weight; autograd keeps no dequantised weight from
+forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept).
 
 The model is the tiny Mixtral of tests/convert widened to 128 (hidden, attention and expert
 widths), so that a TP2 / ETP2 shard of a row-parallel linear holds 64 columns: whole blocks."""
@@ -111,3 +111,41 @@ def test_dora_magnitude_is_the_dequantised_row_norm(nf4_mixtral, layout=Parallel
     torch.testing.assert_close(m, o_proj.norm(dim=1), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="NF4"):
         adapters["decoder.layers.1.self_attention.linear_proj"].merge()
+
+
+@multirank(world_size=1, timeout=300)
+def test_backward_keeps_no_dequantised_weight(nf4_mixtral, layout=ParallelLayout()):
+    """Nothing autograd saves between forward and backward has an NF4 weight's shape: the
+    weights are dequantised again in backward (with grads into the embedding, so every linear's
+    input gradient is computed)."""
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.models.build import build_model, model_config
+    from megatron_lora.models.nf4_linear import is_nf4
+    from megatron_lora.models.nf4_model import quantize_base
+
+    info, hf, _ = open_hf(nf4_mixtral["hf"])
+    model = build_model(info, model_config(info, layout))
+    load_hf(model, info, hf)
+    quantize_base(model)
+    weights = {tuple(m.nf4_codes.shape[:1]) + (m.nf4_codes.shape[1] * 2,)
+               for m in model.modules() if is_nf4(m)}
+    assert weights == {(256, 128), (128, 128)}  # qkv and fc1; proj and fc2
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.embedding.word_embeddings.weight.requires_grad_(True)
+    params = {p.data_ptr() for p in model.parameters()}  # the output layer's [128, 128] weight
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append(tuple(t.shape))
+        return t
+
+    tokens = load_file(nf4_mixtral["reference"])["tokens"]
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, positions, attention_mask=None, labels=tokens).sum()
+    loss.backward()
+    assert saved and not weights & set(saved), sorted(weights & set(saved))
+    assert model.embedding.word_embeddings.weight.grad.abs().sum() > 0

@@ -2,7 +2,8 @@
 refused before anything starts (exit 2, one line naming the field or flag and the width); a
 QLoRA run (train on the NF4 base, export peft) gives an ordinary PEFT adapter which, loaded by
 PEFT onto the checkpoint copy whose projections are bitsandbytes' round trip, matches
-`logits --adapter --base-quantization nf4` within 1e-4 (fp32)."""
+`logits --adapter --base-quantization nf4` within 1e-4 (fp32); export says the adapter was
+trained on an NF4 base."""
 
 import glob
 import json
@@ -90,6 +91,11 @@ def test_qlora_adapter_exports_to_peft_on_the_round_trip(models, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     done = S.cli("export", "peft", "--adapter", run, "--load-hf", models["wide"], "--save", peft)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "note: the adapter was trained on an NF4 base (--base-quantization nf4); it is an " \
+        "ordinary PEFT LoRA adapter" in done.stderr, done.stderr[-2000:]
+    from megatron_lora.cli.export import trained_on_nf4  # what export hf says too
+
+    assert trained_on_nf4(run)
     done = S.cli("logits", "--load-hf", models["wide"], "--adapter", run, "--tokens",
                  models["tokens"], "--out", out, "--base-quantization", "nf4")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -3,7 +3,8 @@ on a copy of the checkpoint whose decoder projections were replaced by bitsandby
 trip (each HF tensor, each expert's matrix on its own), at one rank, PP2xEP2 and TP2xEP2+SP
 (grouped experts there), with the ranks holding ~0.516 bytes per frozen decoder parameter; DoRA's
 magnitude is the row norm of the dequantised weight; autograd keeps no dequantised weight from
-forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept).
+forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept),
+and full recomputation of the NF4 layers gives the same gradients.
 
 The model is the tiny Mixtral of tests/convert widened to 128 (hidden, attention and expert
 widths), so that a TP2 / ETP2 shard of a row-parallel linear holds 64 columns: whole blocks."""
@@ -113,27 +114,38 @@ def test_dora_magnitude_is_the_dequantised_row_norm(nf4_mixtral, layout=Parallel
         adapters["decoder.layers.1.self_attention.linear_proj"].merge()
 
 
+def _nf4_model(paths, layout, **config):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.models.build import build_model, model_config
+    from megatron_lora.models.nf4_model import quantize_base
+
+    info, hf, _ = open_hf(paths["hf"])
+    model = build_model(info, model_config(info, layout, **config))
+    load_hf(model, info, hf)
+    quantize_base(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.embedding.word_embeddings.weight.requires_grad_(True)
+    return model
+
+
+def _loss(model, tokens):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, attention_mask=None, labels=tokens).sum()
+
+
 @multirank(world_size=1, timeout=300)
 def test_backward_keeps_no_dequantised_weight(nf4_mixtral, layout=ParallelLayout()):
     """Nothing autograd saves between forward and backward has an NF4 weight's shape: the
     weights are dequantised again in backward (with grads into the embedding, so every linear's
-    input gradient is computed)."""
-    from megatron_lora.convert.hf_to_mcore import open_hf
-    from megatron_lora.convert.load import load_hf
-    from megatron_lora.models.build import build_model, model_config
+    input gradient is computed); full recomputation gives the same gradient."""
     from megatron_lora.models.nf4_linear import is_nf4
-    from megatron_lora.models.nf4_model import quantize_base
 
-    info, hf, _ = open_hf(nf4_mixtral["hf"])
-    model = build_model(info, model_config(info, layout))
-    load_hf(model, info, hf)
-    quantize_base(model)
+    model = _nf4_model(nf4_mixtral, layout)
     weights = {tuple(m.nf4_codes.shape[:1]) + (m.nf4_codes.shape[1] * 2,)
                for m in model.modules() if is_nf4(m)}
     assert weights == {(256, 128), (128, 128)}  # qkv and fc1; proj and fc2
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.embedding.word_embeddings.weight.requires_grad_(True)
     params = {p.data_ptr() for p in model.parameters()}  # the output layer's [128, 128] weight
     saved = []
 
@@ -143,9 +155,14 @@ def test_backward_keeps_no_dequantised_weight(nf4_mixtral, layout=ParallelLayout
         return t
 
     tokens = load_file(nf4_mixtral["reference"])["tokens"]
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens, positions, attention_mask=None, labels=tokens).sum()
+        loss = _loss(model, tokens)
     loss.backward()
     assert saved and not weights & set(saved), sorted(weights & set(saved))
-    assert model.embedding.word_embeddings.weight.grad.abs().sum() > 0
+    grad = model.embedding.word_embeddings.weight.grad
+    assert grad.abs().sum() > 0
+    again = _nf4_model(nf4_mixtral, layout, recompute_granularity="full",
+                       recompute_method="uniform", recompute_num_layers=1)
+    _loss(again, tokens).backward()
+    torch.testing.assert_close(again.embedding.word_embeddings.weight.grad, grad, rtol=1e-5,
+                               atol=1e-6)

@@ -75,7 +75,8 @@ def _worker(rank, port, path, reps):
     from megatron_lora.runtime import ParallelLayout
 
     runtime.initialize(ParallelLayout(ep=2), seed=1234, backend="gloo")
-    models = {"bf16": _model(ParallelLayout(ep=2), False), "nf4": _model(ParallelLayout(ep=2), True)}
+    layout = ParallelLayout(ep=2)
+    models = {"bf16": _model(layout, False), "nf4": _model(layout, True)}
     held = torch.tensor(nf4_held(models["nf4"]), dtype=torch.float64)
     dist.all_reduce(held)
     tokens = torch.randint(0, 512, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))

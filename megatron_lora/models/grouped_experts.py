@@ -20,11 +20,12 @@ that the dispatcher reduces, exactly as SequentialMLP returns it. Grouped matmul
 Weights: at construction (and after every `.to()` / `.cuda()`) the E local fc1 weights are
 re-homed into one [E, g*f/t, h] buffer (fc2: [E, h, f/t]), each expert's Parameter a view of its
 slice: the grouped matmul reads the buffer with no copy, and autograd still delivers each
-expert's gradient to its own Parameter. NF4 bases (--base-quantization nf4) keep their packed
-buffers; each call dequantises the layer's E experts of one linear kind into one transient
-[E, out, in] stack for the grouped matmul, again in backward (models/nf4_linear.py). If something later gives a Parameter storage of its own
+expert's gradient to its own Parameter. If something later gives a Parameter storage of its own
 (megatron's distributed-optimizer buffers for trainable experts), forward stacks the weights
-instead (a copy per call, never kept for backward): slower, still exact.
+instead (a copy per call, never kept for backward): slower, still exact. NF4 bases
+(--base-quantization nf4) keep their packed buffers: each call dequantises one linear kind of
+the E local experts into one transient [E, out, in] stack for the grouped matmul, and again in
+backward (models/nf4_linear.py).
 
 LoRA: where a local expert's linear is a `LoraAdapter`, its factors join the grouped path
 (factors stacked per call, [E, r, in] and [E, out, r]: small) when all local experts' adapters

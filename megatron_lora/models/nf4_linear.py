@@ -5,13 +5,13 @@
 The layer keeps its class's behaviour (it becomes an `NF4ColumnParallelLinear` /
 `NF4RowParallelLinear`, subclasses of megatron's, so `isinstance`, `tp_group`, the SP / expert
 flags and the sharded-state-dict keys are unchanged) but its `weight` Parameter is replaced by
-uint8 buffers (codes, block scales) and two small fp32 ones (the second-level scales). Each forward dequantises the weight
-into the input's dtype inside `_NF4MatMul`, an autograd Function that keeps no dequantised copy
-for backward: backward dequantises again for the input gradient (a frozen base has no weight
-gradient). The collectives around the GEMM are megatron's own mappings, chosen exactly as
-ColumnParallelLinear.forward / RowParallelLinear.forward choose them (SP all-gather with a
-reduce-scatter backward, the TP all-reduce of the input gradient, the row output's reduce or
-reduce-scatter, nothing for experts with explicit expert communication).
+uint8 buffers (codes, block scales) and two small fp32 ones (the second-level scales). Each
+forward dequantises the weight into the input's dtype inside `_NF4MatMul`, an autograd Function
+that keeps no dequantised copy for backward: backward dequantises again for the input gradient
+(a frozen base has no weight gradient). The collectives around the GEMM are megatron's own
+mappings, chosen exactly as ColumnParallelLinear.forward / RowParallelLinear.forward choose them
+(SP all-gather with a reduce-scatter backward, the TP all-reduce of the input gradient, the row
+output's reduce or reduce-scatter, nothing for experts with explicit expert communication).
 
 `linear.weight` still answers, as a fresh dequantised tensor in the compute dtype (with the old
 Parameter's parallel attributes): what LoRA reads for the factors' dtype and device and DoRA for

@@ -1,7 +1,7 @@
 """An NF4 base (models/nf4_model.py) at every layout: logits within 1e-4 (fp32) of transformers
 on a copy of the checkpoint whose decoder projections were replaced by bitsandbytes' own round
 trip (each HF tensor, each expert's matrix on its own), at one rank, PP2xEP2 and TP2xEP2+SP
-(grouped experts there), with the ranks holding ~0.516 bytes per frozen decoder parameter; DoRA's
+(grouped experts there; the alltoall dispatcher at PP2xEP2), with the ranks holding ~0.516 bytes per frozen decoder parameter; DoRA's
 magnitude is the row norm of the dequantised weight; autograd keeps no dequantised weight from
 forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept),
 and full recomputation of the NF4 layers gives the same gradients.
@@ -56,17 +56,18 @@ def nf4_mixtral(tmp_path_factory):
     return paths
 
 
-LAYOUTS = [
-    pytest.param(ParallelLayout(), 1, False, id="TP1"),
-    pytest.param(ParallelLayout(pp=2, ep=2), 4, False, id="PP2xEP2"),
-    pytest.param(ParallelLayout(tp=2, ep=2, sp=True), 4, True, id="TP2xEP2+SP-grouped"),
+LAYOUTS = [  # (layout, world size, grouped experts, dispatcher)
+    pytest.param(ParallelLayout(), 1, False, "allgather", id="TP1"),
+    pytest.param(ParallelLayout(pp=2, ep=2), 4, False, "alltoall", id="PP2xEP2-alltoall"),
+    pytest.param(ParallelLayout(tp=2, ep=2, sp=True), 4, True, "allgather",
+                 id="TP2xEP2+SP-grouped"),
 ]
 
 
-@pytest.mark.parametrize("layout,world_size,grouped", LAYOUTS)
+@pytest.mark.parametrize("layout,world_size,grouped,dispatcher", LAYOUTS)
 @multirank(world_size=lambda world_size, **_: world_size, timeout=300)
 def test_nf4_logits_match_transformers_on_the_round_trip(layout, world_size, grouped,
-                                                         nf4_mixtral):
+                                                         dispatcher, nf4_mixtral):
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf
     from megatron_lora.convert.logits import forward_logits
@@ -75,7 +76,8 @@ def test_nf4_logits_match_transformers_on_the_round_trip(layout, world_size, gro
 
     ref = load_file(nf4_mixtral["reference"])
     info, hf, _ = open_hf(nf4_mixtral["hf"])  # the full-precision checkpoint
-    model = build_model(info, model_config(info, layout), moe_grouped_gemm=grouped)
+    model = build_model(info, model_config(info, layout, dispatcher=dispatcher),
+                        moe_grouped_gemm=grouped)
     load_hf(model, info, hf)
     converted = quantize_base(model)
     assert converted == 2 * 2 * (1 + 4 // layout.ep) // layout.pp  # attention 2 + experts 2 each

@@ -3,7 +3,7 @@ refused before anything starts (exit 2, one line naming the field or flag and th
 QLoRA run (train on the NF4 base, export peft) gives an ordinary PEFT adapter which, loaded by
 PEFT onto the checkpoint copy whose projections are bitsandbytes' round trip, matches
 `logits --adapter --base-quantization nf4` within 1e-4 (fp32); export says the adapter was
-trained on an NF4 base."""
+trained on an NF4 base; generate runs on the NF4 base with the adapter."""
 
 import glob
 import json
@@ -104,6 +104,15 @@ def test_qlora_adapter_exports_to_peft_on_the_round_trip(models, tmp_path):
     reference = S.peft_logits(models["wide_nf4"], peft, tokens)
     diff = (ours - reference).abs().max().item()
     assert diff <= 1e-4, f"max abs diff {diff:.3e} vs PEFT on the NF4 round trip"
+    prompts, completions = str(tmp_path / "prompts.jsonl"), str(tmp_path / "out.jsonl")
+    with open(prompts, "w") as f:
+        f.write(json.dumps({"prompt": "q1?"}) + "\n")
+    done = S.cli("generate", "--load-hf", models["wide"], "--adapter", run, "--tokenizer",
+                 "byte", "--prompts", prompts, "--out", completions, "--max-new-tokens", "3",
+                 "--base-quantization", "nf4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = open(completions).read().splitlines()
+    assert 1 <= len(json.loads(line)["token_ids"]) <= 3
     # The adapter matters and the base is the round trip, not the full-precision weights.
     assert (ours - S.hf_logits(models["wide_nf4"], tokens)).abs().max().item() > 1e-3
     assert (ours - S.peft_logits(models["wide"], peft, tokens)).abs().max().item() > 1e-2

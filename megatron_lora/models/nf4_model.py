@@ -76,10 +76,16 @@ def nf4_layout_problems(shape, layout) -> List[str]:
 def _targets(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    from megatron_lora.lora.adapter import LoraAdapter
+
     found = []
     for name, module in model.named_modules():
         if ".decoder." not in f".{name}" or is_nf4(module):
             continue
+        if isinstance(module, LoraAdapter):
+            # Its DoRA norms and its view of the base would be the full-precision weight's.
+            raise NF4LayoutError(f"--base-quantization nf4: {name} already has a LoRA adapter; "
+                                 "quantise the base first, then apply_lora")
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             found.append((name, module))
         elif hasattr(module, "parallel_mode") and hasattr(module, "weight"):

@@ -2,7 +2,8 @@
 on a copy of the checkpoint whose decoder projections were replaced by bitsandbytes' own round
 trip (each HF tensor, each expert's matrix on its own), at one rank, PP2xEP2 and TP2xEP2+SP
 (grouped experts there; the alltoall dispatcher at PP2xEP2), with the ranks holding ~0.516 bytes per frozen decoder parameter; DoRA's
-magnitude is the row norm of the dequantised weight; autograd keeps no dequantised weight from
+magnitude is the row norm of the dequantised weight (merging onto NF4 and quantising under
+adapters are refused); autograd keeps no dequantised weight from
 forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept),
 and full recomputation of the NF4 layers gives the same gradients.
 
@@ -114,6 +115,11 @@ def test_dora_magnitude_is_the_dequantised_row_norm(nf4_mixtral, layout=Parallel
     torch.testing.assert_close(m, o_proj.norm(dim=1), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="NF4"):
         adapters["decoder.layers.1.self_attention.linear_proj"].merge()
+    plain = build_model(info, model_config(info, layout))  # LoRA first, then NF4: refused
+    apply_lora(plain, LoraConfig(r=4, lora_alpha=8, target_modules=["linear_qkv"]),
+               verbose=False)
+    with pytest.raises(ValueError, match="already has a LoRA adapter; quantise the base first"):
+        quantize_base(plain)
 
 
 def _nf4_model(paths, layout, **config):

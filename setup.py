@@ -25,7 +25,9 @@ setup(
         # NVIDIA apex is built from source; the PyPI package named "apex" is unrelated.
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers>=4.46", "peft>=0.13"],
-        "test": ["pytest>=8", "pytest-timeout", "wandb"],  # wandb: the offline logging test
+        # bitsandbytes: the NF4 values are checked against its own quantize_4bit / dequantize_4bit
+        "test": ["pytest>=8", "pytest-timeout", "wandb", "bitsandbytes>=0.50"],
+        "qlora": ["bitsandbytes>=0.50"],  # --base-quantization nf4 (quantises with it, on CPU)
         "tensorboard": ["tensorboard"],  # to view --tensorboard-dir: tensorboard --logdir DIR
         "wandb": ["wandb"],  # train --wandb-project
     },

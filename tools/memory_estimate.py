@@ -4,7 +4,10 @@
         --layouts TP2xEP4+SP TP1xEP8 PP2xEP4 TP2xPP2xEP2+SP --world 8 --seq 4096 --rank 16
 
 Counts (bytes per GPU, bf16 model):
-  weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16
+  weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16;
+              with --base-quantization nf4 the decoder linears (attention, experts, shared
+              experts) at NF4's 0.5 + 1/64 + 4/16384 bytes per parameter (4-bit codes, one
+              uint8 scale per 64, one fp32 per 256 scales), router, norms, embeddings in bf16
   adapters    LoRA factors held by the GPU, bf16
   optimizer   per adapter parameter: fp32 main copy + Adam m, v + fp32 grad = 16 bytes
   activations one micro-batch, flash attention (TE; --unfused-attention adds megatron's local
@@ -29,10 +32,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per parameter of an NF4 linear (models/nf4.py)
+
 
 def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: int,
              targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
-             unfused_attention: bool = False, recompute: str = None) -> dict:
+             unfused_attention: bool = False, recompute: str = None,
+             base_quantization: str = "none") -> dict:
     """Bytes per GPU by part for the config.json dict `cfg` of any supported family (its sizes as
     megatron builds them: families.model_info; refused configs raise ModelConfigError)."""
     from megatron_lora.families import model_info
@@ -48,9 +54,12 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     qkv = h * (heads + 2 * kv) * d
     attn = qkv + heads * d * h
     expert = 3 * h * f
-    dense_per_layer = attn + experts * h + 2 * h + 3 * h * fs + h * s.shared_expert_gate
-    weights = (per_stage * dense_per_layer / tp + per_stage * experts * expert / (ep * etp)
-               + vocab * h / tp * (2 if pp == 1 else 1)) * 2
+    linears_per_layer = attn + 3 * h * fs  # dense decoder linears (NF4 with nf4)
+    other_per_layer = experts * h + 2 * h + h * s.shared_expert_gate  # router, norms, gate
+    linear_bytes = NF4_BYTES if base_quantization == "nf4" else 2
+    weights = ((per_stage * linears_per_layer / tp + per_stage * experts * expert / (ep * etp))
+               * linear_bytes
+               + (per_stage * other_per_layer / tp + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
     r = rank
     lora_dense = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
                   + ("linear_proj" in targets) * (r * heads * d + h * r))
@@ -86,6 +95,8 @@ def main() -> None:
                    help="megatron's local attention (s x s scores kept) instead of flash attention")
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="activation recomputation as train's flag (see the docstring)")
+    p.add_argument("--base-quantization", choices=["none", "nf4"], default="none",
+                   help="the frozen decoder linears in NF4, as train's flag")
     args = p.parse_args()
     cfg = json.load(open(args.hf_config))
     gib = 2 ** 30
@@ -95,7 +106,8 @@ def main() -> None:
         layout = ParallelLayout.parse(name)
         e = estimate(cfg, layout, args.world, args.seq, args.micro_batch_size, args.rank,
                      unfused_attention=args.unfused_attention,
-                     recompute=args.recompute_granularity)
+                     recompute=args.recompute_granularity,
+                     base_quantization=args.base_quantization)
         total = sum(e.values())
         print(f"| {name} | " + " | ".join(f"{v / gib:.1f} GiB" for v in e.values())
               + f" | {total / gib:.1f} GiB |")

@@ -86,12 +86,33 @@ def _run(args) -> int:
                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                              progress=not args.no_progress)
         exported = _adapter_iteration(args.adapter)  # read and checked by the export already
+        if trained_on_nf4(args.adapter):
+            print(f"note: {NF4_NOTES[args.format]}", file=sys.stderr)
     except (ConversionError, ModelConfigError) as exc:
         print(f"megatron-lora export {args.format}: error: {exc}", file=sys.stderr)
         return 2
     print(f"exported iteration {exported[0]} of {args.adapter} ({exported[1]})", file=sys.stderr)
     print(f"wrote {args.save}", file=sys.stderr)
     return 0
+
+
+NF4_NOTES = {
+    "peft": "the adapter was trained on an NF4 base (--base-quantization nf4); it is an "
+            "ordinary PEFT LoRA adapter: load it onto the base model, or onto its NF4 form "
+            "(bitsandbytes' 4-bit NF4, blocksize 64, double quantisation) for the values it "
+            "was trained with",
+    "hf": "the adapter was trained on an NF4 base (--base-quantization nf4); it was merged onto "
+          "the full-precision base weights of --load, not onto their NF4 form",
+}
+
+
+def trained_on_nf4(path: str) -> bool:
+    """Whether the adapter checkpoint's run used --base-quantization nf4 (its saved run config;
+    checkpoints without one, e.g. from import peft, say no)."""
+    from megatron_lora.training.checkpoint import read_run_metadata
+
+    run = (read_run_metadata(path).get("run_metadata") or {}).get("run_config") or {}
+    return isinstance(run, dict) and run.get("base-quantization") == "nf4"
 
 
 def _adapter_iteration(path: str):

@@ -21,6 +21,7 @@ import sys
 import time
 
 from megatron_lora.cli.common import add_layout_args, layout_from_args
+from megatron_lora.cli.quantization import add_quantization_arg
 
 
 def register(sub) -> None:
@@ -56,6 +57,7 @@ def register(sub) -> None:
     p.add_argument("--bf16", action="store_true", help="run the model in bf16 (default fp32)")
     p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="grouped experts (GroupedExperts; default: on CUDA GPUs, off on CPU)")
+    add_quantization_arg(p)
     p.set_defaults(func=_run)
 
 
@@ -159,7 +161,8 @@ def _generate_all(args, layout, info, hf, dtype, lora, tokenizer, records, promp
     model = build_model(info, layout, dtype, hf=hf, load=args.load, adapter=args.adapter,
                         lora=lora, attention_backend="flash",
                         moe_grouped_gemm=args.moe_grouped_gemm,
-                        dispatcher=args.moe_token_dispatcher_type)
+                        dispatcher=args.moe_token_dispatcher_type,
+                        base_quantization=args.base_quantization)
     generator = torch.Generator().manual_seed(sampling.seed)
     results, new_tokens, start = [], 0, time.perf_counter()
     for record, ids in zip(records, prompts):

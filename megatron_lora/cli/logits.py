@@ -22,6 +22,7 @@ import os
 import sys
 
 from megatron_lora.cli.common import add_layout_args, layout_from_args
+from megatron_lora.cli.quantization import add_quantization_arg
 from megatron_lora.cli.convert import HELP
 
 
@@ -50,6 +51,7 @@ def register(sub) -> None:
                    help="grouped experts (GroupedExperts, the same checkpoints as SequentialMLP, "
                    "which --no-moe-grouped-gemm selects); default: on with the local layers on "
                    "CUDA GPUs, off on CPU")
+    add_quantization_arg(p)
     p.set_defaults(func=_run)
 
 
@@ -152,7 +154,8 @@ def _compute(args, layout, info, hf, tokens, dtype, lora=None) -> int:
     model = build_model(info, layout, dtype, hf=hf, load=args.load, adapter=args.adapter,
                         lora=lora, attention_backend=getattr(args, "attention_backend", None),
                         moe_grouped_gemm=getattr(args, "moe_grouped_gemm", None),
-                        dispatcher=args.moe_token_dispatcher_type)
+                        dispatcher=args.moe_token_dispatcher_type,
+                        base_quantization=args.base_quantization)
     from megatron_lora.lora.trainable_tokens import served_vocab
 
     logits = forward_logits(model, tokens.to(runtime.device()), served_vocab(info.vocab_size, lora),

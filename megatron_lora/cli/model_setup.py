@@ -21,24 +21,33 @@ def open_model_source(args, layout, world_size: int, dtype):
         info, hf = read_mcore_info(args.load, args.hf_config), None
     info.validate_layout(layout, world_size, flags=True)
     check_before_build(info, layout, dtype, load=args.load, hf_config=args.hf_config)
+    from megatron_lora.cli.quantization import quantization_problems
+
+    problems = quantization_problems(args, info, layout)
+    if problems:
+        raise ValueError("; ".join(problems))
     return info, hf
 
 
 def build_model(info, layout, dtype, *, hf=None, load: Optional[str] = None,
                 adapter: Optional[str] = None, lora=None, attention_backend: Optional[str] = None,
-                moe_grouped_gemm: Optional[bool] = None, dispatcher: str = "allgather"):
+                moe_grouped_gemm: Optional[bool] = None, dispatcher: str = "allgather",
+                base_quantization: str = "none"):
     """The GPTModel of this pipeline stage on this rank's device, weights from HF safetensors
     (`hf`, an HFCheckpoint) or a torch_dist checkpoint (`load`), then, with `lora` (the adapter
     checkpoint's LoraConfig), apply_lora and the factors of `adapter`. Megatron's parallel state
     must be initialised for `layout`.
 
     attention_backend / moe_grouped_gemm: as the CLI flags; a named local core attention or
-    grouped experts mean the local layers, otherwise the usual choice of build_model."""
+    grouped experts mean the local layers, otherwise the usual choice of build_model.
+    base_quantization: "nf4" holds the decoder linears in NF4 (cli/quantization.py), after the
+    base weights are loaded and before the adapter is applied."""
     from megatron_lora import runtime
     from megatron_lora.convert.load import load_hf, load_mcore
     from megatron_lora.models.build import build_model, model_config
 
-    local = attention_backend not in (None, "auto") or bool(moe_grouped_gemm)
+    local = (attention_backend not in (None, "auto") or bool(moe_grouped_gemm)
+             or base_quantization == "nf4")
     model = build_model(
         info, model_config(info, layout, dtype=dtype, dispatcher=dispatcher),
         use_te=False if local else None, attention_backend=attention_backend,
@@ -48,6 +57,10 @@ def build_model(info, layout, dtype, *, hf=None, load: Optional[str] = None,
         load_hf(model, info, hf)
     else:
         load_mcore(model, load)
+    if base_quantization == "nf4":
+        from megatron_lora.models.nf4_model import quantize_base
+
+        quantize_base(model)
     if lora is not None:
         from megatron_lora.lora.model import apply_lora
         from megatron_lora.training.checkpoint import load_adapter_weights

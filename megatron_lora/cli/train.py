@@ -20,6 +20,7 @@ import argparse
 import sys
 
 from megatron_lora.cli.common import add_layout_args
+from megatron_lora.cli.quantization import add_quantization_arg
 from megatron_lora.cli.run_config import CONFIG_FLAG, ConfigArgumentParser
 
 
@@ -73,6 +74,7 @@ def add_arguments(p) -> None:
                      "(GroupedExperts; the same checkpoints as megatron's per-expert "
                      "SequentialMLP, which --no-moe-grouped-gemm selects). Default: on with "
                      "--transformer-impl local on CUDA GPUs, off on CPU (slower there)")
+    add_quantization_arg(src)
     d = p.add_argument_group("data")
     data_path = d.add_argument(
         "--data-path", required=True, nargs="+", metavar="PATH",

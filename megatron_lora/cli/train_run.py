@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+from megatron_lora.cli import quantization
+
 
 class TrainSetupError(ValueError):
     """Bad input found before training started. `every_rank` False (the default): the same
@@ -198,6 +200,7 @@ def _setup_checks(args, layout, world_size):
                             f"max_position_embeddings {info.shape.max_position_embeddings}")
         problems += _attention_backend_problems(args)
         problems += _recompute_problems(args, info.shape.num_layers // layout.pp)
+        problems += quantization.quantization_problems(args, info, layout)  # nf4: widths
         if getattr(args, "moe_grouped_gemm", None) and args.transformer_impl != "local":
             problems.append("--moe-grouped-gemm builds grouped experts from the local layers; use "
                             "it with --transformer-impl local (or pass --no-moe-grouped-gemm)")
@@ -388,6 +391,7 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
         load_hf(model, info, hf)
     else:
         load_mcore(model, args.load)
+    quantization.quantize_if_requested(args, model)  # --base-quantization: before LoRA wraps it
     _say(rank0, f"loaded the base model in {time.monotonic() - loading:.1f} s")
     held = (f"+{stats['held_out']} validation sequences from --valid-data-path "
             f"{args.valid_data_path}" if getattr(args, "valid_data_path", None) else

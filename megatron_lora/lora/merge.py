@@ -50,6 +50,12 @@ def merge(adapter, safe: bool = False) -> None:
     if adapter.merged:
         warnings.warn("LoraAdapter.merge: adapter is already merged; nothing to do", stacklevel=3)
         return
+    if getattr(adapter.base_layer, "nf4", False):
+        # The NF4 base's `weight` is a dequantised copy; an update written there would be lost.
+        raise ValueError(
+            "LoraAdapter.merge: the base layer is held in NF4 (--base-quantization nf4); merge "
+            "onto the full-precision base instead (export hf --merge loads it)"
+        )
     weight = adapter.base_layer.weight
     if weight is None:
         raise RuntimeError(

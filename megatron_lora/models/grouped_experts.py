@@ -22,7 +22,10 @@ re-homed into one [E, g*f/t, h] buffer (fc2: [E, h, f/t]), each expert's Paramet
 slice: the grouped matmul reads the buffer with no copy, and autograd still delivers each
 expert's gradient to its own Parameter. If something later gives a Parameter storage of its own
 (megatron's distributed-optimizer buffers for trainable experts), forward stacks the weights
-instead (a copy per call, never kept for backward): slower, still exact.
+instead (a copy per call, never kept for backward): slower, still exact. NF4 bases
+(--base-quantization nf4) keep their packed buffers: each call dequantises one linear kind of
+the E local experts into one transient [E, out, in] stack for the grouped matmul, and again in
+backward (models/nf4_linear.py).
 
 LoRA: where a local expert's linear is a `LoraAdapter`, its factors join the grouped path
 (factors stacked per call, [E, r, in] and [E, out, r]: small) when all local experts' adapters
@@ -52,6 +55,7 @@ from megatron_lora.lora import collectives as C
 from megatron_lora.lora.adapter import LoraAdapter
 from megatron_lora.lora.dropout import expert_keys
 from megatron_lora.lora.grouped import grouped_linear, grouped_mm, grouped_mm_wgrad
+from megatron_lora.models.nf4_linear import grouped_nf4, is_nf4, nf4_matmul
 
 
 def _base_linear(linear: torch.nn.Module) -> torch.nn.Module:
@@ -148,7 +152,10 @@ class GroupedExperts(SequentialMLP):
 
     def _tie(self) -> None:
         for name in ("linear_fc1", "linear_fc2"):
-            weights = [_base_linear(getattr(mlp, name)).weight for mlp in self.local_experts]
+            bases = [_base_linear(getattr(mlp, name)) for mlp in self.local_experts]
+            if any(is_nf4(base) for base in bases):
+                continue  # NF4 bases hold packed buffers, not Parameters (models/nf4_linear.py)
+            weights = [base.weight for base in bases]
             if shared_stack(weights) is None:
                 tie_weights(weights)
 
@@ -195,14 +202,17 @@ class GroupedExperts(SequentialMLP):
 
     def _linear(self, name: str, x: torch.Tensor, counts: List[int], stream: int):
         linears = [getattr(mlp, name) for mlp in self.local_experts]
-        weights = [_base_linear(lin).weight for lin in linears]
-        out = _GroupedBase.apply(x, counts, *weights)
+        bases = [_base_linear(lin) for lin in linears]
+        if all(is_nf4(base) for base in bases):
+            out = grouped_nf4(x, counts, bases)
+        else:
+            out = _GroupedBase.apply(x, counts, *[base.weight for base in bases])
         adapters = [lin for lin in linears
                     if isinstance(lin, LoraAdapter) and not (lin.merged or lin._disabled)]
         if not adapters:
             return out
         if any(ad.magnitude is not None for ad in adapters):
-            return self._dora_linear(linears, adapters, weights, x, out, counts)
+            return self._dora_linear(linears, adapters, bases, x, out, counts)
         if len(adapters) == len(linears) and _uniform(adapters):
             return out + self._grouped_lora(adapters, x, counts, stream)
         # Mixed adapters (rank patterns, some merged): each adds its own term on its rows.
@@ -214,16 +224,16 @@ class GroupedExperts(SequentialMLP):
         return torch.cat(pieces) if pieces else out
 
     @staticmethod
-    def _dora_linear(linears, adapters, weights, x, out, counts):
+    def _dora_linear(linears, adapters, bases, x, out, counts):
         """DoRA adapters (lora/dora.py): each expert's rows get its adapter's DoRA output, the
         base term W_e d recomputed on its dropped rows only with dropout in training."""
         pieces, start = list(torch.split(out, counts)), 0
         for e, (lin, n) in enumerate(zip(linears, counts)):
             if lin in adapters and n:
-                w = weights[e]
+                base = bases[e]
                 pieces[e] = lin.dora_forward(
                     x[start:start + n], pieces[e],
-                    base_fn=lambda d, w=w: torch.nn.functional.linear(d, w.to(d.dtype)))
+                    base_fn=lambda d, b=base: _base_rows(b, d))
             start += n
         return torch.cat(pieces) if pieces else out
 
@@ -250,6 +260,13 @@ class GroupedExperts(SequentialMLP):
             keys = expert_keys(route.key, route.first_expert, len(adapters), stream)
         u = grouped_linear(x, a, counts, first.scaling, p, keys, offset, ids)  # [N, r]
         return grouped_linear(u, b, counts)
+
+
+def _base_rows(base: torch.nn.Module, d: torch.Tensor) -> torch.Tensor:
+    """d W^T for one expert's base linear (NF4: dequantised inside the GEMM's Function)."""
+    if is_nf4(base):
+        return nf4_matmul(d, base)
+    return torch.nn.functional.linear(d, base.weight.to(d.dtype))
 
 
 def _uniform(adapters: List[LoraAdapter]) -> bool:

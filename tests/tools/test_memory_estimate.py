@@ -48,3 +48,20 @@ def test_a_shared_expert_adds_its_weights_and_adapters():
     assert plain["weights"] - ref["weights"] == pytest.approx(2 * layers * (3 * h * fs + h))
     assert plain["adapters"] - ref["adapters"] == pytest.approx(
         2 * layers * 16 * ((h + 2 * fs) + (fs + h)))
+
+
+def test_nf4_base_holds_the_decoder_linears_at_half_a_byte():
+    # Mixtral 8x7B: per layer q, k, v, o (h (n + 2 g) d + n d h) and 8 experts x 3 h f
+    h, n, g, d, f, layers, experts = 4096, 32, 8, 128, 14336, 32, 8
+    linears = layers * (h * (n + 2 * g) * d + n * d * h + experts * 3 * h * f)
+    nf4_bytes = 0.5 + 1 / 64 + 4 / 16384  # codes, uint8 block scales, fp32 per 256 scales
+    for layout in (ParallelLayout(), ParallelLayout(tp=2, ep=4, sp=True)):
+        bf16 = _estimate()(_config("mixtral_8x7b/config.json"), layout, 8, 4096, 1, 16)
+        nf4 = _estimate()(_config("mixtral_8x7b/config.json"), layout, 8, 4096, 1, 16,
+                          base_quantization="nf4")
+        if layout.tp == 1 and layout.ep == 1:  # one GPU: every linear parameter 2 -> 0.516 B
+            assert bf16["weights"] - nf4["weights"] == pytest.approx(
+                linears * (2 - nf4_bytes), rel=1e-9)
+        assert nf4["weights"] < bf16["weights"] * 0.3  # the bf16 embeddings are the rest
+        assert {k: v for k, v in nf4.items() if k != "weights"} == \
+            {k: v for k, v in bf16.items() if k != "weights"}

@@ -1,0 +1,203 @@
+"""`--base-quantization nf4`: hold every frozen decoder linear of a loaded model in NF4.
+
+    problems = nf4_layout_problems(info.shape, layout)   # before any collective (CLI checks)
+    quantize_base(model)                                 # after the base weights are loaded
+
+Quantised: every megatron Column/RowParallelLinear inside the decoder (attention projections,
+each routed expert's fc1 / fc2, shared experts, dense MLPs). The router, embeddings, output layer
+and norms keep the base dtype, as in QLoRA. Apply LoRA afterwards: the adapters wrap the NF4
+linears as they wrap full-precision ones.
+
+Layout invariance: each weight is quantised as its GLOBAL matrix (each expert's on its own): a
+linear sharded over its group (the TP group, the expert-TP group for experts; EP only places
+whole experts) all-gathers its shards, bitsandbytes quantises the whole matrix on CPU, and the
+rank keeps the blocks of its own shard (models/nf4.py). So the values are the same at every
+TP/EP/ETP/PP layout. One layer at a time: the transient extra is one global weight and its
+codes, and each full-precision weight is released as soon as its NF4 form is in place.
+
+A shard must hold whole blocks of 64 input columns: row-parallel linears (attention output
+projection, fc2) need (input width / their TP or expert-TP size) % 64 == 0, every linear an
+input width divisible by 64. `nf4_layout_problems` says which flag and width do not fit.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_lora.models.nf4 import BLOCK, quantize_parts
+from megatron_lora.models.nf4_linear import held_bytes, is_nf4, to_nf4_
+
+CHOICES = ("none", "nf4")
+
+
+class NF4LayoutError(ValueError):
+    """A model or layout whose NF4 shards would split a block of 64; the message says which."""
+
+
+def nf4_layout_problems(shape, layout) -> List[str]:
+    """What keeps `shape` (families.ModelShape) from NF4 at `layout` (one line per problem,
+    naming the flag or config field and the width); [] when it fits."""
+    kv = shape.kv_channels or shape.hidden_size // shape.num_attention_heads
+    widths = [  # (what, global input width, ranks sharding it, the flag for them)
+        ("hidden_size (input of linear_qkv and fc1)", shape.hidden_size, 1, None),
+        ("num_attention_heads x kv_channels (input of linear_proj)",
+         shape.num_attention_heads * kv, layout.tp, "--tensor-model-parallel-size"),
+    ]
+    if shape.num_experts:
+        widths.append(("moe_ffn_hidden_size (input of each expert's fc2)",
+                       shape.ffn_hidden_size, layout.expert_tp, "--expert-tensor-parallel-size"
+                       if layout.etp is not None else "--tensor-model-parallel-size"))
+    else:
+        widths.append(("ffn_hidden_size (input of fc2)", shape.ffn_hidden_size, layout.tp,
+                       "--tensor-model-parallel-size"))
+    if shape.shared_expert_ffn_hidden_size:
+        widths.append(("shared_expert_ffn_hidden_size (input of the shared expert's fc2)",
+                       shape.shared_expert_ffn_hidden_size, layout.tp,
+                       "--tensor-model-parallel-size"))
+    problems = []
+    for what, width, ranks, flag in widths:
+        if width % ranks == 0 and (width // ranks) % BLOCK == 0:
+            continue
+        if ranks == 1:
+            problems.append(f"--base-quantization nf4: {what} = {width} is not a multiple of "
+                            f"{BLOCK} (NF4 blocks are {BLOCK} input columns of one row); this "
+                            "model cannot be held in NF4")
+        else:
+            problems.append(f"--base-quantization nf4: {what} = {width} split over {flag} "
+                            f"{ranks} gives {width / ranks:g} input columns per rank, not a "
+                            f"multiple of {BLOCK} (NF4 blocks are {BLOCK} input columns of one "
+                            f"row); use a smaller {flag}")
+    return problems
+
+
+def _targets(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_lora.lora.adapter import LoraAdapter
+
+    found = []
+    for name, module in model.named_modules():
+        if ".decoder." not in f".{name}" or is_nf4(module):
+            continue
+        if isinstance(module, LoraAdapter):
+            # Its DoRA norms and its view of the base would be the full-precision weight's.
+            raise NF4LayoutError(f"--base-quantization nf4: {name} already has a LoRA adapter; "
+                                 "quantise the base first, then apply_lora")
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            found.append((name, module))
+        elif hasattr(module, "parallel_mode") and hasattr(module, "weight"):
+            raise NF4LayoutError(
+                f"--base-quantization nf4 holds megatron-core's local linears; {name} is a "
+                f"{type(module).__name__} (Transformer Engine): use the local layers "
+                "(--transformer-impl local)")
+    return found
+
+
+def _group(linear):
+    group = getattr(linear, "tp_group", None)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None, 1, 0
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check(name: str, linear) -> None:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    _, size, _ = _group(linear)
+    k = linear.weight.shape[1]
+    if k % BLOCK == 0:
+        return
+    if isinstance(linear, RowParallelLinear) and size > 1:
+        flag = ("--expert-tensor-parallel-size" if getattr(linear, "is_expert", False)
+                else "--tensor-model-parallel-size")
+        raise NF4LayoutError(
+            f"--base-quantization nf4: {name} holds {k} input columns per rank ({flag} {size}),"
+            f" not a multiple of {BLOCK}; use a smaller {flag}")
+    raise NF4LayoutError(f"--base-quantization nf4: {name} has {k} input columns, not a "
+                         f"multiple of {BLOCK}; this model cannot be held in NF4")
+
+
+def _global_weight(linear, group, size: int) -> torch.Tensor:
+    """The whole [out, in] weight of a linear sharded over `group` (megatron's layout)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    w = linear.weight.detach()
+    if size == 1:
+        return w
+    parts = [torch.empty_like(w) for _ in range(size)]
+    dist.all_gather(parts, w.contiguous(), group=group)
+    if not isinstance(linear, ColumnParallelLinear):
+        return torch.cat(parts, dim=1)
+    stride = int(getattr(linear.weight, "partition_stride", 1) or 1)
+    chunk = w.shape[0] // stride  # rank k holds global chunks k, k + size, ... (stride of them)
+    return torch.cat([parts[c % size][(c // size) * chunk:(c // size + 1) * chunk]
+                      for c in range(size * stride)])
+
+
+def _segments(name: str, linear, rows: int):
+    """The parts a megatron weight fuses, as (part, first part row, rows) runs in its row order:
+    linear_qkv: per query group its q heads, k head, v head (parts q, k, v); a gated fc1: gate
+    rows then up rows (parts gate, up); anything else: one part."""
+    cfg = linear.config
+    if name.endswith("linear_qkv"):
+        groups = cfg.num_query_groups or cfg.num_attention_heads
+        d = cfg.kv_channels
+        per_group = cfg.num_attention_heads // groups * d
+        if rows != groups * (per_group + 2 * d):
+            raise NF4LayoutError(f"{name}: {rows} rows do not fit q/k/v of {groups} groups")
+        out = []
+        for j in range(groups):
+            out += [(0, j * per_group, per_group), (1, j * d, d), (2, j * d, d)]
+        return out
+    if name.endswith("linear_fc1") and cfg.gated_linear_unit:
+        return [(0, 0, rows // 2), (1, 0, rows // 2)]
+    return [(0, 0, rows)]
+
+
+def _local_shard(linear, packed, size: int, rank: int):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    if size == 1:
+        return packed
+    m, k = linear.weight.shape
+    if isinstance(linear, ColumnParallelLinear):
+        stride = int(getattr(linear.weight, "partition_stride", 1) or 1)
+        chunk = m // stride  # rank k holds global chunks k, k + size, ... of the fused weight
+        return packed.rows([((j * size + rank) * chunk, chunk) for j in range(stride)])
+    return packed.columns(rank * k, k)
+
+
+@torch.no_grad()
+def quantize_base(model: torch.nn.Module) -> int:
+    """Hold every decoder Column/RowParallelLinear of `model` (this rank's stage) in NF4, in
+    place; returns how many were converted. Collective over each linear's own group (TP or
+    expert-TP): call on every rank, after loading the base weights and before apply_lora.
+    Every linear is checked (NF4LayoutError) before the first collective."""
+    targets = _targets(model)
+    for name, linear in targets:
+        if getattr(linear, "weight", None) is None:
+            raise NF4LayoutError(f"--base-quantization nf4: {name} has no weight of its own")
+        _check(name, linear)
+    for name, linear in targets:
+        group, size, rank = _group(linear)
+        w = _global_weight(linear, group, size)
+        packed = quantize_parts(w, _segments(name, linear, w.shape[0]))
+        del w
+        to_nf4_(linear, _local_shard(linear, packed, size, rank))
+    return len(targets)
+
+
+def nf4_held(model: torch.nn.Module) -> Tuple[int, int]:
+    """(bytes held, parameters represented) by this rank's NF4 linears."""
+    held = params = 0
+    for module in model.modules():
+        if is_nf4(module):
+            held += held_bytes(module)
+            params += module.nf4_codes.numel() * 2
+    return held, params
+
+
+__all__ = ["CHOICES", "NF4LayoutError", "nf4_held", "nf4_layout_problems", "quantize_base"]

@@ -1,0 +1,176 @@
+"""An NF4 base (models/nf4_model.py) at every layout: logits within 1e-4 (fp32) of transformers
+on a copy of the checkpoint whose decoder projections were replaced by bitsandbytes' own round
+trip (each HF tensor, each expert's matrix on its own), at one rank, PP2xEP2 and TP2xEP2+SP
+(grouped experts there; the alltoall dispatcher at PP2xEP2), with the ranks holding ~0.516 bytes per frozen decoder parameter; DoRA's
+magnitude is the row norm of the dequantised weight (merging onto NF4 and quantising under
+adapters are refused); autograd keeps no dequantised weight from
+forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept),
+and full recomputation of the NF4 layers gives the same gradients.
+
+The model is the tiny Mixtral of tests/convert widened to 128 (hidden, attention and expert
+widths), so that a TP2 / ETP2 shard of a row-parallel linear holds 64 columns: whole blocks."""
+
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing import parity
+from tests.convert.tiny import hf_logits, make_tiny_mixtral, make_tokens
+from tests.harness import multirank
+
+bnbf = pytest.importorskip("bitsandbytes.functional")
+
+WIDE = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, vocab_size=128)
+QUANTISED = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # not router (gate)
+
+
+def bnb_round_trip(w):
+    q, state = bnbf.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4",
+                                  compress_statistics=True)
+    return bnbf.dequantize_4bit(q, state)
+
+
+@pytest.fixture(scope="module")
+def nf4_mixtral(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nf4_mixtral")
+    paths = {k: str(root / k) for k in ("hf", "hf_nf4")}
+    make_tiny_mixtral(paths["hf"], **WIDE)
+    shutil.copytree(paths["hf"], paths["hf_nf4"])
+    replaced = 0
+    for f in glob.glob(os.path.join(paths["hf_nf4"], "*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if ".layers." in name and name.endswith(QUANTISED):
+                tensors[name] = bnb_round_trip(t)
+                replaced += 1
+        save_file(tensors, f, metadata={"format": "pt"})
+    assert replaced == 2 * (4 + 4 * 3)  # per layer q, k, v, o and 4 experts x 3
+    tokens = make_tokens(batch=2, seq=8, vocab=128)
+    paths["reference"] = str(root / "reference.safetensors")
+    save_file({"tokens": tokens, "nf4": hf_logits(paths["hf_nf4"], tokens).contiguous(),
+               "full": hf_logits(paths["hf"], tokens).contiguous()}, paths["reference"])
+    return paths
+
+
+LAYOUTS = [  # (layout, world size, grouped experts, dispatcher)
+    pytest.param(ParallelLayout(), 1, False, "allgather", id="TP1"),
+    pytest.param(ParallelLayout(pp=2, ep=2), 4, False, "alltoall", id="PP2xEP2-alltoall"),
+    pytest.param(ParallelLayout(tp=2, ep=2, sp=True), 4, True, "allgather",
+                 id="TP2xEP2+SP-grouped"),
+]
+
+
+@pytest.mark.parametrize("layout,world_size,grouped,dispatcher", LAYOUTS)
+@multirank(world_size=lambda world_size, **_: world_size, timeout=300)
+def test_nf4_logits_match_transformers_on_the_round_trip(layout, world_size, grouped,
+                                                         dispatcher, nf4_mixtral):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.models.build import build_model, model_config
+    from megatron_lora.models.nf4_model import nf4_held, quantize_base
+
+    ref = load_file(nf4_mixtral["reference"])
+    info, hf, _ = open_hf(nf4_mixtral["hf"])  # the full-precision checkpoint
+    model = build_model(info, model_config(info, layout, dispatcher=dispatcher),
+                        moe_grouped_gemm=grouped)
+    load_hf(model, info, hf)
+    converted = quantize_base(model)
+    assert converted == 2 * 2 * (1 + 4 // layout.ep) // layout.pp  # attention 2 + experts 2 each
+    held, params = nf4_held(model)
+    assert 0.5 < held / params <= 0.53, held / params
+    for name, p in model.named_parameters():  # no full-precision decoder linear weight is left
+        assert not (".decoder." in f".{name}" and "linear_" in name and name.endswith("weight")
+                    and "norm" not in name), name
+    logits = forward_logits(model, ref["tokens"], info.vocab_size)
+    if not parity.assert_held_by(logits, 1, "the logits"):
+        return
+    diff = (logits - ref["nf4"]).abs().max().item()
+    assert diff <= 1e-4, f"{layout.describe()}: max abs diff {diff:.3e} vs transformers"
+    assert (logits - ref["full"]).abs().max().item() > 1e-2  # the base really is quantised
+
+
+@multirank(world_size=1, timeout=300)
+def test_dora_magnitude_is_the_dequantised_row_norm(nf4_mixtral, layout=ParallelLayout()):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.models.build import build_model, model_config
+    from megatron_lora.models.nf4_model import quantize_base
+
+    info, hf, _ = open_hf(nf4_mixtral["hf"])
+    model = build_model(info, model_config(info, layout))
+    load_hf(model, info, hf)
+    quantize_base(model)
+    adapters = apply_lora(model, LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                            target_modules=["linear_proj"]), verbose=False)
+    o_proj = bnb_round_trip(hf.read("model.layers.1.self_attn.o_proj.weight")
+                            .float())
+    m = adapters["decoder.layers.1.self_attention.linear_proj"].magnitude.detach()
+    torch.testing.assert_close(m, o_proj.norm(dim=1), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="NF4"):
+        adapters["decoder.layers.1.self_attention.linear_proj"].merge()
+    plain = build_model(info, model_config(info, layout))  # LoRA first, then NF4: refused
+    apply_lora(plain, LoraConfig(r=4, lora_alpha=8, target_modules=["linear_qkv"]),
+               verbose=False)
+    with pytest.raises(ValueError, match="already has a LoRA adapter; quantise the base first"):
+        quantize_base(plain)
+
+
+def _nf4_model(paths, layout, **config):
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.models.build import build_model, model_config
+    from megatron_lora.models.nf4_model import quantize_base
+
+    info, hf, _ = open_hf(paths["hf"])
+    model = build_model(info, model_config(info, layout, **config))
+    load_hf(model, info, hf)
+    quantize_base(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.embedding.word_embeddings.weight.requires_grad_(True)
+    return model
+
+
+def _loss(model, tokens):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, attention_mask=None, labels=tokens).sum()
+
+
+@multirank(world_size=1, timeout=300)
+def test_backward_keeps_no_dequantised_weight(nf4_mixtral, layout=ParallelLayout()):
+    """Nothing autograd saves between forward and backward has an NF4 weight's shape: the
+    weights are dequantised again in backward (with grads into the embedding, so every linear's
+    input gradient is computed); full recomputation gives the same gradient."""
+    from megatron_lora.models.nf4_linear import is_nf4
+
+    model = _nf4_model(nf4_mixtral, layout)
+    weights = {tuple(m.nf4_codes.shape[:1]) + (m.nf4_codes.shape[1] * 2,)
+               for m in model.modules() if is_nf4(m)}
+    assert weights == {(256, 128), (128, 128)}  # qkv and fc1; proj and fc2
+    params = {p.data_ptr() for p in model.parameters()}  # the output layer's [128, 128] weight
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append(tuple(t.shape))
+        return t
+
+    tokens = load_file(nf4_mixtral["reference"])["tokens"]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _loss(model, tokens)
+    loss.backward()
+    assert saved and not weights & set(saved), sorted(weights & set(saved))
+    grad = model.embedding.word_embeddings.weight.grad
+    assert grad.abs().sum() > 0
+    again = _nf4_model(nf4_mixtral, layout, recompute_granularity="full",
+                       recompute_method="uniform", recompute_num_layers=1)
+    _loss(again, tokens).backward()
+    torch.testing.assert_close(again.embedding.word_embeddings.weight.grad, grad, rtol=1e-5,
+                               atol=1e-6)

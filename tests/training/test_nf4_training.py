@@ -1,0 +1,74 @@
+"""LoRA trained on an NF4 base (models/nf4_model.py) gives the one-rank run's losses and adapters
+at TP2xEP2+SP (fp32, dropout 0.1, every adapter kind: attention, router, experts), so the NF4
+linears keep megatron's TP/SP/expert semantics in forward and backward. Widths are 128 so that a
+TP2 / ETP2 shard of a row-parallel linear holds whole blocks of 64."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.lora.model import LoraConfig, apply_lora
+from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing.reference import load_weights, save_weights
+from megatron_lora.training.loop import train
+from tests.harness import multirank
+from tests.training import _support as S
+
+pytest.importorskip("bitsandbytes")
+
+SHAPE = dataclasses.replace(S.SHAPE, hidden_size=128, ffn_hidden_size=128, num_layers=2)
+STEPS = 4
+LORA = LoraConfig(r=4, lora_alpha=8, seed=11, lora_dropout=0.1,
+                  target_modules=["linear_qkv", "linear_proj", "router", "linear_fc1",
+                                  "linear_fc2"])
+
+
+def _model(layout, weights=None):
+    from megatron_lora.models.gpt import build_gpt_model, transformer_config
+    from megatron_lora.models.nf4_model import quantize_base
+
+    model = build_gpt_model(SHAPE, transformer_config(SHAPE, layout))
+    if weights is None:
+        return model
+    load_weights(model, weights)
+    quantize_base(model)
+    return model
+
+
+def _train(model):
+    adapters = apply_lora(model, LORA, verbose=False)
+    result = train([model], S.dataset(samples=16), S.run_config(iters=STEPS), S.optim(STEPS),
+                   layout_name="nf4")
+    tensors = S.global_adapters(adapters)
+    tensors["losses"] = torch.tensor([result.losses[i] for i in range(1, STEPS + 1)])
+    return tensors
+
+
+@multirank(world_size=1, timeout=300)
+def _reference(directory, layout=ParallelLayout()):
+    weights = os.path.join(directory, "weights")
+    save_weights(_model(layout), weights)  # the full-precision base, megatron's random init
+    save_file(_train(_model(layout, weights)), os.path.join(directory, "reference.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def nf4_reference(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("nf4_train_reference"))
+    _reference(directory=directory)
+    return directory
+
+
+@multirank(world_size=4, timeout=400)
+def test_lora_on_nf4_base_matches_one_rank(nf4_reference,
+                                          layout=ParallelLayout(tp=2, ep=2, sp=True)):
+    reference = load_file(os.path.join(nf4_reference, "reference.safetensors"))
+    final = _train(_model(layout, os.path.join(nf4_reference, "weights")))
+    torch.testing.assert_close(final.pop("losses"), reference["losses"], rtol=1e-5, atol=0)
+    assert final and all(name in reference for name in final)
+    for name, tensor in final.items():
+        if name.endswith(".B"):
+            assert tensor.abs().max() > 0  # B has moved away from its zero init
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-6)

@@ -9,7 +9,7 @@ layout, so one checkpoint loads at any TP that divides the padded vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 VOCAB_MULTIPLE = 128
 
@@ -34,6 +34,13 @@ class ModelShape:
     shared_expert_ffn_hidden_size: a shared expert beside the routed ones (every token, SwiGLU of
     this size; megatron's moe_shared_expert_intermediate_size); None: none.
     shared_expert_gate: the shared expert's output scaled by sigmoid(x . gate) ([1, h] weight).
+    add_bias_linear: biases on every linear (q, k, v, the output projection, the router, each
+    expert's fc1 and fc2; GPT-OSS). Experts with biases need expert-TP 1.
+    swiglu_alpha / swiglu_limit: GPT-OSS's clamped SwiGLU, gate clamped above at the limit, up to
+    +-limit, gate * sigmoid(alpha * gate) * (up + 1); None: SiLU(gate) * up.
+    attention_sinks: a learned sink logit per head (megatron's softmax_type="learnable").
+    sliding_window / window_layers: layers i with window_layers[i] true attend to the last
+    `sliding_window` keys only (HF `layer_types`: "sliding_attention").
     """
 
     vocab_size: int
@@ -55,6 +62,12 @@ class ModelShape:
     add_qkv_bias: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
     shared_expert_gate: bool = False
+    add_bias_linear: bool = False
+    swiglu_alpha: Optional[float] = None
+    swiglu_limit: Optional[float] = None
+    attention_sinks: bool = False
+    sliding_window: Optional[int] = None
+    window_layers: Optional[Tuple[bool, ...]] = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -82,6 +95,20 @@ class ModelShape:
                 f"[1, num_experts={self.num_experts}]"
             )
 
+        if (self.swiglu_limit is not None) != (self.swiglu_alpha is not None):
+            raise ValueError("ModelShape.swiglu_alpha and swiglu_limit go together (GPT-OSS's "
+                             "clamped SwiGLU)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelShape.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.window_layers is not None:  # a JSON list read back: one bool per layer
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
+        if self.window_layers is not None and (self.sliding_window is None
+                                               or len(self.window_layers) != self.num_layers):
+            raise ValueError(
+                f"ModelShape.window_layers needs sliding_window and one entry per layer "
+                f"({self.num_layers}), got {self.window_layers!r}"
+            )
+
     @property
     def head_dim(self) -> int:
         """Channels per attention head (megatron's kv_channels)."""
@@ -103,6 +130,7 @@ class ModelShape:
             num_experts=self.num_experts or 0,
             ffn_hidden_size=None if self.num_experts else self.ffn_hidden_size,
             moe_ffn_hidden_size=self.ffn_hidden_size if self.num_experts else None,
+            expert_biases=bool(self.num_experts and self.add_bias_linear),
         )
 
 

@@ -66,6 +66,14 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         out[_MLP + "shared_experts.linear_fc2.weight"] = (layers, hid, shared)
         if s.shared_expert_gate:
             out[_MLP + "shared_experts.gate_weight"] = (layers, (1, "the shared expert gate"), hid)
+    if s.add_bias_linear:
+        out[_ATTN + "linear_qkv.bias"] = (layers, ((n + 2 * g) * d, f"{heads}, head_dim={d}"))
+        out[_ATTN + "linear_proj.bias"] = (layers, hid)
+        out[_MLP + "router.bias"] = (layers, experts)
+        out[_MLP + "experts.experts.linear_fc1.bias"] = (layers, experts, (2 * f, ffn[1]))
+        out[_MLP + "experts.experts.linear_fc2.bias"] = (layers, experts, hid)
+    if s.attention_sinks:
+        out[_ATTN + "core_attention.softmax_offset"] = (layers, (n, f"num_attention_heads={n}"))
     if not s.tie_embeddings:
         out["output_layer.weight"] = (vocab, hid)
     return out
@@ -141,6 +149,11 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
                  + _ceil((n + 2 * g) * d * s.add_qkv_bias, tp) + E * h
                  + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
                  + _ceil(3 * fs * h, tp) + h * s.shared_expert_gate)
+    if s.add_bias_linear:  # qkv (TP-sharded), output projection and router (whole), experts
+        per_layer += (_ceil((n + 2 * g) * d, tp) * (not s.add_qkv_bias) + h + E
+                      + _ceil(E, layout.ep) * (_ceil(2 * f, etp) + h))
+    if s.attention_sinks:
+        per_layer += _ceil(n, tp)
     layers = _ceil(s.num_layers, layout.pp) * per_layer
     vocab = _ceil(s.vocab_size, tp) * h
     # Tied embeddings on more than one stage: the last stage holds its own copy of the output.

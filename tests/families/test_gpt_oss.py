@@ -152,8 +152,9 @@ def test_round_trip_is_bit_identical_and_mxfp4_converts_alike(oss, tmp_path):
 
 @multirank(world_size=lambda world_size, **_: world_size, timeout=600)
 def _logits(layout, grouped, world_size, paths):
-    """The converted checkpoint with megatron's DotProductAttention and with SDPAttention, and
-    the HF load: transformers' logits within 1e-4."""
+    """The converted checkpoint with megatron's DotProductAttention ("unfused") and with the
+    default core attention (SDPAttention for windowed models), and the HF load: transformers'
+    logits within 1e-4."""
     from megatron_lora.convert.hf_to_mcore import open_hf
     from megatron_lora.convert.load import load_hf, load_mcore
     from megatron_lora.convert.logits import forward_logits
@@ -162,7 +163,7 @@ def _logits(layout, grouped, world_size, paths):
     ref = load_file(paths["reference"])
     info, hf, _ = open_hf(paths["hf"])
     got = {}
-    for backend, from_mcore in ((None, True), ("flash", True), ("flash", False)):
+    for backend, from_mcore in (("unfused", True), (None, True), (None, False)):
         model = build_model(info, model_config(info, layout), moe_grouped_gemm=grouped,
                             attention_backend=backend, use_te=False)
         load_mcore(model, paths["mcore"]) if from_mcore else load_hf(model, info, hf)

@@ -226,3 +226,40 @@ def test_sinks_are_sharded_with_the_heads_under_tp2(layout=ParallelLayout(tp=2))
     (tensor,) = sharded.values()
     assert tensor.key == "decoder.layers.0.self_attention.core_attention.softmax_offset"
     assert tensor.global_shape == (HEADS,) and tensor.global_offset == (2 * rank,)
+
+
+@multirank(world_size=1, timeout=240)
+def test_windowed_models_default_to_sdpa_since_megatron_drops_packed_masks(
+        layout=ParallelLayout()):
+    """megatron's DotProductAttention (sinks and window as well) replaces a packed mask by its
+    window mask: its packed output is not transformers' packed attention (samples see each
+    other); the local spec of a windowed config therefore defaults to SDPAttention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_lora.models.build import block_spec
+
+    b, s = 2, 16
+    sample_ids = torch.zeros(b, s + 1, dtype=torch.long)
+    sample_ids[0, 5:], sample_ids[1, 9:] = 1, 1
+    _, _, _, mask = inputs_labels_mask(torch.zeros(b, s + 1, dtype=torch.long),
+                                       torch.ones(b, s + 1), sample_ids)
+    starts = torch.zeros(b, s, dtype=torch.long)
+    starts[0, 5:], starts[1, 9:] = 5, 9
+    position_ids = torch.arange(s).unsqueeze(0) - starts
+    megatron = DotProductAttention(_config(), 1, AttnMaskType.causal, "self")
+    ours = SDPAttention(_config(), 1, AttnMaskType.causal, "self")
+    q, k, v = _qkv(b, s, seed=1)
+    with torch.no_grad():
+        for m in (megatron, ours):
+            m.softmax_offset.copy_(_sinks())
+        ref = _hf(q, k, v, _sinks(), WINDOW, position_ids)
+        torch.testing.assert_close(_ours(ours, q, k, v, mask), ref, rtol=0, atol=ATOL)
+        torch.testing.assert_close(megatron(q, k, v, None), _hf(q, k, v, _sinks(), WINDOW),
+                                   rtol=0, atol=ATOL)  # unpacked, megatron's is exact too
+        assert (megatron(q, k, v, mask) - ref).abs().max() > 0.05
+    spec = block_spec(_config(), pp_rank=0, use_te=False)
+    attention = spec.submodules.layer_specs[0].submodules.self_attention.submodules
+    assert attention.core_attention is SDPAttention
+    spec = block_spec(_config(window=None), pp_rank=0, use_te=False)
+    assert spec.submodules.layer_specs[0].submodules.self_attention.submodules.core_attention \
+        is DotProductAttention

@@ -228,7 +228,10 @@ class SDPAttention(MegatronModule):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         sink = self.softmax_type != "vanilla"
-        causal = mask_type == AttnMaskType.causal or sq == 1
+        # A KV-cache step of several tokens may come with no_mask (megatron passes it past the
+        # prompt); its queries are still the last sq positions of a causal layer.
+        causal = (mask_type == AttnMaskType.causal or sq == 1
+                  or (self.attn_mask_type == AttnMaskType.causal and sq < sk))
         mask = sink_window.attention_mask(sq, sk, causal, self.window, sink, q.dtype, q.device,
                                           packed=attention_mask)
         if sink:

@@ -197,3 +197,34 @@ def test_peft_files_and_merged_expert_adapters_are_refused_before_any_work(oss, 
                                                   "are not supported yet"):
             call()
         assert not (tmp_path / "out").exists()
+
+
+def test_greedy_generate_past_the_window_is_transformers(oss, tmp_path):
+    """Greedy `generate` at TP2+SP (ETP1; KV-cache steps padded to the TP size, past an
+    18-token prompt with a window of 5) gives the tokens of a greedy loop over transformers'
+    forwards. Before SDPAttention kept such steps causal, the first prompt diverged at its
+    second new token."""
+    from transformers import AutoTokenizer
+
+    from tests.data.tiny_tokenizers import mistral_folder
+
+    tok_dir = mistral_folder(str(tmp_path / "tok"), vocab_size=F.VOCAB)
+    prompts = [{"prompt": "hello there how are you the sky is blue"},
+               {"prompt": "the sky is blue fine"}]
+    path, out = str(tmp_path / "prompts.jsonl"), str(tmp_path / "out.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in prompts)
+    F.run("generate", "--load-hf", oss["hf"], "--tokenizer", tok_dir, "--prompts", path,
+          "--out", out, "--max-new-tokens", "8", "--tensor-model-parallel-size", "2",
+          "--sequence-parallel", "--expert-tensor-parallel-size", "1", nproc=2, port=29641)
+    rows = [json.loads(line) for line in open(out)]
+    tok, model = AutoTokenizer.from_pretrained(tok_dir), F.hf_model(oss["hf"])
+    with torch.no_grad():
+        for p, row in zip(prompts, rows):
+            ids, new = tok(p["prompt"]).input_ids, []
+            for _ in range(8):
+                new.append(int(model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+                if new[-1] == tok.eos_token_id:
+                    break
+            assert len(ids) > CONFIG["sliding_window"]
+            assert row["token_ids"] == new, (p, row["token_ids"], new)

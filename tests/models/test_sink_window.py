@@ -148,8 +148,9 @@ def test_packed_samples_keep_their_own_window_and_sinks():
 
 
 def test_cache_steps_and_off_by_one():
-    """The last m queries against all keys (a KV-cache step, also one token) give the full
-    sequence's last m rows; off-by-one softmax is a sink fixed at 0."""
+    """The last m queries against all keys (a KV-cache step, also one token, also passed as
+    no_mask as megatron does past the prompt) give the full sequence's last m rows; off-by-one
+    softmax is a sink fixed at 0."""
     b, s = 1, 12
     attention = _attention(1)
     with torch.no_grad():
@@ -159,6 +160,9 @@ def test_cache_steps_and_off_by_one():
         for m in (3, 1):
             torch.testing.assert_close(_ours(attention, q[-m:], k, v), full[-m:], rtol=0,
                                        atol=ATOL)
+            # megatron passes no_mask for steps past the prompt (padded to the TP size under SP)
+            step = attention(q[-m:], k, v, None, attn_mask_type=AttnMaskType.no_mask)
+            torch.testing.assert_close(step, full[-m:], rtol=0, atol=ATOL)
         fixed = _attention(1, softmax_type="off-by-one")
         assert fixed.softmax_offset is None
         torch.testing.assert_close(_ours(fixed, q, k, v), _hf(q, k, v, torch.zeros(HEADS),

@@ -149,6 +149,25 @@ def test_round_trip_is_bit_identical_and_mxfp4_converts_alike(oss, tmp_path):
     mcore_to_hf(str(tmp_path / "mcore4"), str(tmp_path / "back4"), progress=False)
     assert_bit_identical(original, read_hf_tensors(str(tmp_path / "back4")))
 
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.convert.hf_to_mcore import open_hf
+
+    tensors = load_file(os.path.join(packed, "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj"
+    save_file({k: v for k, v in tensors.items() if k != name + "_scales"},
+              os.path.join(packed, "model.safetensors"))
+    with pytest.raises(ConversionError, match=f"tensor '{name}' is stored as MXFP4 but "
+                                              f"{name}_scales is missing"):
+        open_hf(packed)
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj"
+    tensors[gate_up + "_blocks"] = tensors[gate_up + "_blocks"][:, :, :1].contiguous()
+    tensors[gate_up + "_scales"] = tensors[gate_up + "_scales"][:, :, :1].contiguous()
+    save_file(tensors, os.path.join(packed, "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"_blocks' has shape \[4, 64, 1, 16\], but "
+                                              r"config.json implies \[4, 64, 2, 16\] \(MXFP4 "
+                                              r"of the dense \[4, 64, 64\]\)"):
+        open_hf(packed)
+
 
 @multirank(world_size=lambda world_size, **_: world_size, timeout=600)
 def _logits(layout, grouped, world_size, paths):
@@ -183,7 +202,7 @@ def test_logits_match_transformers(layout, grouped, world_size, oss):
     _logits(layout=layout, grouped=grouped, world_size=world_size, paths=oss)
 
 
-def test_peft_files_and_merged_expert_adapters_are_refused_before_any_work(oss, tmp_path):
+def test_peft_files_are_refused_before_any_work(oss, tmp_path):
     from megatron_lora.convert.errors import ConversionError
     from megatron_lora.export.from_peft import import_peft
     from megatron_lora.export.to_peft import export_peft

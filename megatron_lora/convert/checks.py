@@ -71,6 +71,14 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         dense = (fd, f"{fam.dense_ffn_field}={fd}")
         out[_MLP + "linear_fc1.weight"] = (layers, (2 * fd, dense[1]), hid)
         out[_MLP + "linear_fc2.weight"] = (layers, hid, dense)
+    if s.add_bias_linear:
+        out[_ATTN + "linear_qkv.bias"] = (layers, ((n + 2 * g) * d, f"{heads}, head_dim={d}"))
+        out[_ATTN + "linear_proj.bias"] = (layers, hid)
+        out[_MLP + "router.bias"] = (layers, experts)
+        out[_MLP + "experts.experts.linear_fc1.bias"] = (layers, experts, (2 * f, ffn[1]))
+        out[_MLP + "experts.experts.linear_fc2.bias"] = (layers, experts, hid)
+    if s.attention_sinks:
+        out[_ATTN + "core_attention.softmax_offset"] = (layers, (n, f"num_attention_heads={n}"))
     if not s.tie_embeddings:
         out["output_layer.weight"] = (vocab, hid)
     return _per_layer(info, out) if s.per_layer_keys else out
@@ -166,8 +174,14 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
     norms = (_ceil(qn + kn, tp) if s.qk_norm_full_width else qn + kn) if s.qk_layernorm else 0
     attention = (2 * h + norms + _ceil((n + 2 * g) * d * h + h * n * d, tp)
                  + _ceil((n + 2 * g) * d * s.add_qkv_bias, tp))
+    if s.add_bias_linear:  # qkv (TP-sharded) and the output projection's (whole)
+        attention += _ceil((n + 2 * g) * d, tp) * (not s.add_qkv_bias) + h
+    if s.attention_sinks:
+        attention += _ceil(n, tp)
     moe_layer = (attention + E * h + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
                  + _ceil(3 * fs * h, tp) + h * s.shared_expert_gate)
+    if s.add_bias_linear:  # the router's (whole) and each local expert's fc1 / fc2
+        moe_layer += E + _ceil(E, layout.ep) * (_ceil(2 * f, etp) + h)
     per_stage = _ceil(s.num_layers, layout.pp)
     vocab = _ceil(s.vocab_size, tp) * h
     # Tied embeddings on more than one stage: the last stage holds its own copy of the output.

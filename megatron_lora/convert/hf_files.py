@@ -28,7 +28,8 @@ from megatron_lora.runtime.safe_load import CheckpointFileError, confined_path
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}
+           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+           "U8": torch.uint8}  # U8: MXFP4 blocks and E8M0 scales (convert/mxfp4.py)
 
 
 @dataclass(frozen=True)

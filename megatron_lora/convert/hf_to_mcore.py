@@ -51,8 +51,11 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
     for name in _PASSTHROUGH:  # copied by hf_to_mcore: only from inside the folder
         folder_file(hf_dir, name, ConversionError)
     expected = hf_shapes(info)
+    packed = _mxfp4_pairs(hf_dir, ckpt, expected) if info.family.fused_experts else set()
     for name, shape in expected.items():
         got = ckpt.tensors.get(name)
+        if got is None and name in packed:
+            continue
         if got is None:
             raise ConversionError(f"{hf_dir}: tensor {name!r} is missing from the checkpoint")
         if got.shape != shape:
@@ -61,16 +64,42 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
                 f"but config.json ({info.config_fields()}) implies {list(shape)}"
             )
     ignored = IGNORED_HF_SUFFIXES + (("lm_head.weight",) if info.shape.tie_embeddings else ())
-    extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored))
+    pair_names = {f"{n}_{part}" for n in packed for part in ("blocks", "scales")}
+    extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored)
+                   and n not in pair_names)
     if extra:
         raise ConversionError(
             f"{hf_dir}: tensors not part of the model as config.json describes it: "
             f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
         )
-    dtypes = {ckpt.tensors[n].dtype for n in expected}
+    dtypes = {ckpt.tensors[n].dtype for n in expected if n not in packed}
     if len(dtypes) != 1:
         raise ConversionError(f"{hf_dir}: tensors have mixed dtypes {sorted(map(str, dtypes))}")
     return info, ckpt, dtypes.pop()
+
+
+def _mxfp4_pairs(hf_dir: str, ckpt: HFCheckpoint, expected: dict) -> set:
+    """The expected expert weights stored as MXFP4 `_blocks` / `_scales` pairs (checked against
+    the dense [E, in, out] shape config.json implies: blocks [E, out, in / 32, 16])."""
+    from megatron_lora.convert import mxfp4
+
+    packed = set()
+    for name, shape in expected.items():
+        blocks, scales = ckpt.tensors.get(f"{name}_blocks"), ckpt.tensors.get(f"{name}_scales")
+        if name in ckpt.tensors or (blocks is None and scales is None):
+            continue
+        if blocks is None or scales is None:
+            raise ConversionError(f"{hf_dir}: tensor {name!r} is stored as MXFP4 but "
+                                  f"{name}_{'blocks' if blocks is None else 'scales'} is missing")
+        where = os.path.join(hf_dir, blocks.file)
+        mxfp4.check_pair(name, blocks.shape, scales.shape, blocks.dtype, scales.dtype, where)
+        want = (shape[0], shape[2], shape[1] // 32, mxfp4.BLOCK_BYTES)
+        if len(shape) != 3 or shape[1] % 32 or tuple(blocks.shape) != want:
+            raise ConversionError(
+                f"{where}: tensor {name + '_blocks'!r} has shape {list(blocks.shape)}, but "
+                f"config.json implies {list(want)} (MXFP4 of the dense {list(shape)})")
+        packed.add(name)
+    return packed
 
 
 def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bool = True) -> None:

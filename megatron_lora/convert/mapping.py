@@ -219,7 +219,7 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
         p = names.layer.format(l=l)
         layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + names.input_norm, (h,)))
         layer(attn + "linear_qkv.weight", l, QKV(p + names.q, p + names.k, p + names.v, n, g, d, h))
-        if s.add_qkv_bias:
+        if s.add_qkv_bias or s.add_bias_linear:
             bias = [p + w[: -len("weight")] + "bias" for w in (names.q, names.k, names.v)]
             layer(attn + "linear_qkv.bias", l, QKVBias(*bias, n, g, d))
         if s.qk_layernorm:
@@ -234,7 +234,10 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
             layer(mlp + "linear_fc2.weight", l, Direct(x + names.expert_down, (h, fd)))
             continue
         layer(mlp + "router.weight", l, Direct(p + names.router, (E, h)))
-        for e in range(E):
+        if s.add_bias_linear or s.attention_sinks or info.family.fused_experts:
+            for key, source in _gpt_oss_layer(info, p, dtype):
+                layer(key, l, source)
+        for e in range(0 if info.family.fused_experts else E):
             x = p + names.expert.format(e=e)
             expert(mlp + "experts.experts.linear_fc1.weight", l, e, 0, Direct(x + names.expert_gate, (f, h)))
             expert(mlp + "experts.experts.linear_fc1.weight", l, e, f, Direct(x + names.expert_up, (f, h)))
@@ -258,6 +261,7 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
         mlp + "experts.experts.linear_fc1.weight": (L, E, 2 * f, h),
         mlp + "experts.experts.linear_fc2.weight": (L, E, h, f),
     }
+    shapes.update({key: (L,) + source.shape for key, source in _gpt_oss_layer(info, "", dtype)})
     if fs:
         shapes.update({mlp + "shared_experts.linear_fc1.weight": (L, 2 * fs, h),
                        mlp + "shared_experts.linear_fc2.weight": (L, h, fs),
@@ -270,6 +274,36 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
     if not s.tie_embeddings:
         out.append(_vocab_tensor("output_layer.weight", info.family.names.output, info, dtype))
     return unstack(out) if s.per_layer_keys and not stacked else out
+
+
+def _gpt_oss_layer(info: ModelInfo, p: str, dtype) -> List[Tuple[str, object]]:
+    """(megatron key, source) of one layer's tensors beyond the Llama-style ones: the output
+    projection's and the router's biases (add_bias_linear), the attention sinks, and the fused
+    experts with their biases (Family.fused_experts; convert/fused_experts.py). p: the layer's
+    HF prefix."""
+    from megatron_lora.convert.fused_experts import FusedExperts
+
+    s, names = info.shape, info.family.names
+    E, h, f, n = s.num_experts, s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
+    attn, mlp = "decoder.layers.self_attention.", "decoder.layers.mlp."
+    out = []
+    if s.add_bias_linear:
+        out.append((attn + "linear_proj.bias", Direct(p + names.o[: -len("weight")] + "bias", (h,))))
+        out.append((mlp + "router.bias", Direct(p + names.router[: -len("weight")] + "bias", (E,))))
+    if s.attention_sinks:
+        out.append((attn + "core_attention.softmax_offset", Direct(p + "self_attn.sinks", (n,))))
+    if info.family.fused_experts:
+        x, ex = p + names.expert, mlp + "experts.experts."
+        out.append((ex + "linear_fc1.weight",
+                    FusedExperts(x + "gate_up_proj", (E, h, 2 * f), True, True, dtype)))
+        out.append((ex + "linear_fc2.weight",
+                    FusedExperts(x + "down_proj", (E, f, h), True, False, dtype)))
+        if s.add_bias_linear:
+            out.append((ex + "linear_fc1.bias",
+                        FusedExperts(x + "gate_up_proj_bias", (E, 2 * f), False, True)))
+            out.append((ex + "linear_fc2.bias",
+                        FusedExperts(x + "down_proj_bias", (E, h), False, False)))
+    return out
 
 
 def extra_states(info: ModelInfo) -> List[ExtraState]:

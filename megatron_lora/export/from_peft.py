@@ -49,6 +49,7 @@ import torch
 
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.export.peft_fused import refuse_fused_experts
 from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
 from megatron_lora.export.peft_config import PeftPrefix, alpha_for, read_adapter_config
 from megatron_lora.export.peft_file import PeftAdapterFile
@@ -232,6 +233,7 @@ def import_peft(adapter_dir: str, save: str, *, hf_config: str, overwrite: bool 
     prepare_output_dir(save, overwrite=overwrite,
                        inputs={"--adapter": adapter_dir, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
+    refuse_fused_experts(info)
     cfg = read_adapter_config(adapter_dir)
     if isinstance(cfg, PeftPrefix):
         return _import_prefix(adapter_dir, save, info, cfg, overwrite)

@@ -83,6 +83,13 @@ def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = Non
             f"{list(merger.adapter.config.trainable_token_indices)}); the merged export does not "
             f"write them (it keeps the base vocabulary). Export it with `export peft` (PEFT's "
             f"trainable_token_indices) instead")
+    experts = sorted({k.name for k in merger.adapter.kinds()
+                      if k.target_kind in ("linear_fc1", "linear_fc2")})
+    if info.family.fused_experts and experts:
+        raise ConversionError(
+            f"{adapter}: merging expert adapters ({', '.join(experts)}) into "
+            f"{info.family.base_model_class}'s fused experts is not supported yet; adapters on "
+            f"attention, the router, the embedding and the output layer merge")
     if info.shape.tie_embeddings and {"embedding", "output_layer"} & set(merger.adapter.ranks):
         raise ConversionError(f"{adapter}: an embedding or output-layer adapter cannot be merged "
                               f"into a model with tied embeddings")

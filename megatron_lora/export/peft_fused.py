@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron_lora.convert.errors import ConversionError
 from megatron_lora.export.table import PEFT_PREFIX
 
 ROUTED = ("linear_fc1", "linear_fc2")
@@ -76,3 +77,14 @@ def check_uniform(values: Dict[str, Tuple[int, float]], modules, what: str) -> T
         raise ValueError(f"the routed experts' adapters have different (rank, alpha) {sorted(found)}"
                          f": PEFT's fused {what} takes one rank and alpha for all experts")
     return found.pop()
+
+
+def refuse_fused_experts(info) -> None:
+    """PEFT files for families whose checkpoints fuse the experts per layer (GPT-OSS:
+    `mlp.experts.gate_up_proj` with gate and up interleaved, reached by PEFT only through
+    `target_parameters`) are not written or read yet: refuse before any work."""
+    if info.family.fused_experts:
+        raise ConversionError(
+            f"PEFT adapters for {info.family.base_model_class} (target_parameters on its fused "
+            f"experts) are not supported yet; export the merged model instead (megatron-lora "
+            f"export hf --merge, adapters on attention, router, embedding and output layer)")

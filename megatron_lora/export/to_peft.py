@@ -51,6 +51,7 @@ from megatron_lora.export.peft_config import (
     prefix_config_dict,
 )
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.export.peft_fused import refuse_fused_experts
 from megatron_lora.export.table import (
     module_of,
     peft_keys,
@@ -124,6 +125,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     prepare_output_dir(save, overwrite=overwrite,
                        inputs={"--adapter": adapter, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
+    refuse_fused_experts(info)
     ckpt = AdapterCheckpoint(adapter, info)
     if ckpt.config.num_virtual_tokens:
         return _export_prefix(ckpt, info, save, overwrite, base_model, notes)

@@ -12,6 +12,7 @@ from typing import Tuple
 
 from megatron_lora.families.family import Family, HFNames, ModelInfo
 from megatron_lora.families.fields import Fields, ModelConfigError
+from megatron_lora.families.gpt_oss import GPT_OSS
 from megatron_lora.families.mixtral import MIXTRAL
 from megatron_lora.families.olmoe import OLMOE
 from megatron_lora.families.qwen2_moe import QWEN2_MOE
@@ -21,7 +22,7 @@ from megatron_lora.families.shape import (VOCAB_MULTIPLE, ModelShape, padded_voc
 from megatron_lora.jsonfile import json_value, read_json
 from megatron_lora.runtime.folder_files import folder_file
 
-FAMILIES: Tuple[Family, ...] = (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE)
+FAMILIES: Tuple[Family, ...] = (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, GPT_OSS)
 
 __all__ = ["FAMILIES", "Family", "HFNames", "ModelInfo", "ModelConfigError", "ModelShape",
            "VOCAB_MULTIPLE", "family_of", "model_info", "padded_vocab_size", "read_hf_config",

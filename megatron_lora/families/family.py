@@ -91,6 +91,10 @@ class Family:
         transformers 5's modules name them by the in-memory path (Mixtral: `.mlp.` for
         `.block_sparse_moe.`); import reads both.
     refuses: one line per thing the family refuses, for the docs' family page.
+    fused_experts: the checkpoint holds each layer's experts as fused tensors (GPT-OSS:
+        `{layer}{expert}gate_up_proj` [E, h, 2f], gate and up interleaved on the last axis,
+        `down_proj` [E, f, h], their `_bias` tensors; or MXFP4 `_blocks` / `_scales`), not one
+        module per expert (convert/fused_experts.py).
     """
 
     name: str
@@ -105,6 +109,7 @@ class Family:
     module_aliases: Tuple[Tuple[str, str], ...] = ()
     peft_fused_experts: bool = False
     refuses: Tuple[str, ...] = ()
+    fused_experts: bool = False
 
     @property
     def base_model_class(self) -> str:

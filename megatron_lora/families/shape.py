@@ -40,6 +40,13 @@ class ModelShape:
     so None is kept for all-MoE models: their checkpoints stay stacked over layers.
     dense_ffn_hidden_size: the dense layers' FFN size (megatron's ffn_hidden_size; HF
     `intermediate_size`), set exactly when some layer is dense.
+    add_bias_linear: biases on every linear (q, k, v, the output projection, the router, each
+    expert's fc1 and fc2; GPT-OSS). Experts with biases need expert-TP 1.
+    swiglu_alpha / swiglu_limit: GPT-OSS's clamped SwiGLU, gate clamped above at the limit, up to
+    +-limit, gate * sigmoid(alpha * gate) * (up + 1); None: SiLU(gate) * up.
+    attention_sinks: a learned sink logit per head (megatron's softmax_type="learnable").
+    sliding_window / window_layers: layers i with window_layers[i] true attend to the last
+    `sliding_window` keys only (HF `layer_types`: "sliding_attention").
     """
 
     vocab_size: int
@@ -63,6 +70,12 @@ class ModelShape:
     shared_expert_gate: bool = False
     moe_layer_pattern: Optional[Tuple[int, ...]] = None
     dense_ffn_hidden_size: Optional[int] = None
+    add_bias_linear: bool = False
+    swiglu_alpha: Optional[float] = None
+    swiglu_limit: Optional[float] = None
+    attention_sinks: bool = False
+    sliding_window: Optional[int] = None
+    window_layers: Optional[Tuple[bool, ...]] = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -119,6 +132,20 @@ class ModelShape:
         on a leading layer axis: it does so for any `moe_layer_freq` list."""
         return self.moe_layer_pattern is not None
 
+        if (self.swiglu_limit is not None) != (self.swiglu_alpha is not None):
+            raise ValueError("ModelShape.swiglu_alpha and swiglu_limit go together (GPT-OSS's "
+                             "clamped SwiGLU)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelShape.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.window_layers is not None:  # a JSON list read back: one bool per layer
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
+        if self.window_layers is not None and (self.sliding_window is None
+                                               or len(self.window_layers) != self.num_layers):
+            raise ValueError(
+                f"ModelShape.window_layers needs sliding_window and one entry per layer "
+                f"({self.num_layers}), got {self.window_layers!r}"
+            )
+
     @property
     def head_dim(self) -> int:
         """Channels per attention head (megatron's kv_channels)."""
@@ -140,6 +167,7 @@ class ModelShape:
             num_experts=self.num_experts or 0,
             ffn_hidden_size=None if self.num_experts else self.ffn_hidden_size,
             moe_ffn_hidden_size=self.ffn_hidden_size if self.num_experts else None,
+            expert_biases=bool(self.num_experts and self.add_bias_linear),
         ) | ({"ffn_hidden_size": self.dense_ffn_hidden_size} if self.dense_ffn_hidden_size else {})
 
 

@@ -25,9 +25,16 @@ mask [b, 1, s, s] (True = masked, megatron's convention) that training.step pass
 as `attention_mask`; `packed_seq_params` (cu_seqlens, TE's THD format) is not used by this project
 and is refused here, as megatron's DotProductAttention refuses it.
 
+Learned sinks (`softmax_type="learnable"`, GPT-OSS; also "off-by-one", a sink fixed at 0) and
+causal sliding windows (`window_size=(W - 1, 0)` on the layers `window_attn_skip_freq` picks) run
+on the same fused kernels through models/sink_window.py: the sink is one more key per head, the
+window one shared additive mask (combined with a packed mask, so each sample keeps its own window
+and sink). The sinks are a base parameter, `softmax_offset` [heads on this TP rank]
+(frozen with the other base weights under LoRA), checkpointed as megatron's DotProductAttention checkpoints it (sharded over TP on dim 0).
+
 Refused at construction, with the setting to change: attention dropout > 0 (SDPA draws its own
 dropout mask, outside megatron's RNG tracker, so results could not match DotProductAttention's),
-non-vanilla softmax types, sliding-window attention, qk-clip and context parallelism.
+windows other than causal ones, qk-clip and context parallelism.
 
 Parallel state: runs on this TP rank's heads (num_attention_heads / tp query heads,
 num_query_groups / tp key/value groups); sequence parallelism does not reach here (SelfAttention
@@ -46,6 +53,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lora.lora.prefix import register_prefix_core_attention
+from megatron_lora.models import sink_window
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,10 +80,11 @@ def _refuse(config: TransformerConfig, attention_dropout: Optional[float]) -> No
             "attention dropout"
         )
     problems = []
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
-    if getattr(config, "window_size", None) is not None:
-        problems.append(f"window_size={config.window_size} (no sliding-window attention)")
+    if getattr(config, "softmax_type", "vanilla") not in ("vanilla", "off-by-one", "learnable"):
+        problems.append(f"softmax_type={config.softmax_type!r}")
+    window = sink_window.window_problem(getattr(config, "window_size", None))
+    if window:
+        problems.append(window)
     if getattr(config, "qk_clip", False):
         problems.append("qk_clip=True (no attention-logit statistics)")
     if config.context_parallel_size != 1:
@@ -119,10 +128,12 @@ class SDPAttention(MegatronModule):
         self.attention_type = attention_type
         pg_collection = kwargs.get("pg_collection")
         if pg_collection is not None and hasattr(pg_collection, "tp"):
+            self.tp_group = pg_collection.tp
             tp = pg_collection.tp.size()
         else:
             from megatron.core import parallel_state
 
+            self.tp_group = None  # parallel_state's, read when a checkpoint needs it
             tp = parallel_state.get_tensor_model_parallel_world_size()
         if config.num_attention_heads % tp or config.num_query_groups % tp:
             raise ValueError(
@@ -137,6 +148,18 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = (
             1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
         )
+        self.window = sink_window.layer_window(config, self.layer_number)
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        self.softmax_offset = None
+        if self.softmax_type == "learnable":
+            # megatron's DotProductAttention's parameter (name, shape, init, checkpoint key).
+            self.softmax_offset = torch.nn.Parameter(
+                torch.empty(self.heads_per_partition, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+            for name, value in (("tensor_model_parallel", True), ("partition_dim", 0),
+                                ("partition_stride", 1)):
+                setattr(self.softmax_offset, name, value)
 
     def forward(
         self,
@@ -161,12 +184,14 @@ class SDPAttention(MegatronModule):
         # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take any strides with a unit last one.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         rep = np_ // key.shape[2]
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.bool:
-                raise ValueError(
-                    f"SDPAttention expects a boolean attention_mask (True = masked), got "
-                    f"{attention_mask.dtype}"
-                )
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"SDPAttention expects a boolean attention_mask (True = masked), got "
+                f"{attention_mask.dtype}"
+            )
+        if self.softmax_type != "vanilla" or self.window is not None:
+            out = self._sink_window(q, k, v, attention_mask, mask_type, rep)
+        elif attention_mask is not None:
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
@@ -196,7 +221,38 @@ class SDPAttention(MegatronModule):
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
+    def _sink_window(self, q, k, v, attention_mask, mask_type, rep):
+        """Sinks and/or a sliding window (models/sink_window.py): [b, np, sq, hn]."""
+        sq, sk, hn = q.shape[2], k.shape[2], q.shape[3]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        sink = self.softmax_type != "vanilla"
+        # A KV-cache step of several tokens may come with no_mask (megatron passes it past the
+        # prompt); its queries are still the last sq positions of a causal layer.
+        causal = (mask_type == AttnMaskType.causal or sq == 1
+                  or (self.attn_mask_type == AttnMaskType.causal and sq < sk))
+        mask = sink_window.attention_mask(sq, sk, causal, self.window, sink, q.dtype, q.device,
+                                          packed=attention_mask)
+        if sink:
+            sinks = (self.softmax_offset if self.softmax_offset is not None
+                     else q.new_zeros(q.shape[1]))
+            q, k, v = sink_window.with_sink_key(q, k, v, sinks, self.softmax_scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        return out[..., :hn] if sink else out
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        """No parameters (vanilla softmax only), so nothing to checkpoint: the same checkpoint
-        keys as DotProductAttention's vanilla case."""
-        return {}
+        """DotProductAttention's checkpoint keys: nothing for vanilla and off-by-one softmax,
+        `softmax_offset` as this rank's axis-0 slice of the global [heads] for learned sinks."""
+        if self.softmax_offset is None:
+            return {}
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        dp_cp = (metadata or {}).get("dp_cp_group")
+        if dp_cp is None:
+            dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        tp_group = self.tp_group or parallel_state.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0},
+            sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp)

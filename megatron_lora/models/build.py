@@ -40,7 +40,8 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
     SequentialMLP experts of TE linears); False is the local spec; None picks TE when it is
     importable and CUDA is usable.
     attention_backend: Megatron-LM's `--attention-backend` name for the local spec's core
-    attention (models.specs); None keeps megatron's DotProductAttention. The TE spec always uses
+    attention (models.specs); None keeps megatron's DotProductAttention, except for models with
+    sliding windows (GPT-OSS), where None is SDPAttention (see below). The TE spec always uses
     TEDotProductAttention (None or "auto" only).
     moe_grouped_gemm: GroupedExperts (models/grouped_experts.py) instead of SequentialMLP in the
     local spec; checkpoints are the same either way. None (the default): grouped experts with
@@ -56,6 +57,11 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
     core_attention_class(attention_backend)  # an unknown or unsupported name fails first
     if use_te is None:
         use_te = te_available() and torch.cuda.is_available()
+    if not use_te and attention_backend is None and getattr(config, "window_size", None):
+        # megatron's DotProductAttention replaces a packed-sample mask by its sliding-window
+        # mask, so packed samples would attend across their boundaries; SDPAttention combines
+        # both (models/sink_window.py). "unfused" still selects it explicitly.
+        attention_backend = "flash"
     if not use_te:
         return local_block_spec(config, pp_rank=pp_rank, attention_backend=attention_backend,
                                 moe_grouped_gemm=default_grouped_experts()

@@ -78,10 +78,33 @@ def transformer_config(
                           moe_shared_expert_gate=shape.shared_expert_gate)
     if shape.add_qkv_bias:
         kwargs["add_qkv_bias"] = True
+    kwargs.update(_gpt_oss_kwargs(shape))
     if shape.qk_layernorm:
         kwargs["qk_layernorm"] = True
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _gpt_oss_kwargs(shape: ModelShape) -> dict:
+    """TransformerConfig fields for biases on every linear, the clamped SwiGLU, learned
+    attention sinks and per-layer sliding windows (GPT-OSS); {} for a shape without them."""
+    from megatron_lora.models.activations import SigmoidGate
+
+    kwargs = {}
+    if shape.add_bias_linear:
+        kwargs.update(add_bias_linear=True, bias_activation_fusion=False)
+    if shape.swiglu_alpha is not None:
+        kwargs.update(activation_func=SigmoidGate(shape.swiglu_alpha), glu_linear_offset=1.0,
+                      activation_func_clamp_value=float(shape.swiglu_limit))
+    if shape.attention_sinks:
+        kwargs["softmax_type"] = "learnable"
+    if shape.sliding_window is not None:
+        # megatron's window (left, right): key j visible to query i when i - left <= j <= i;
+        # HF's sliding_window W keeps j > i - W, so left = W - 1.
+        kwargs["window_size"] = (shape.sliding_window - 1, 0)
+        if shape.window_layers is not None:
+            kwargs["window_attn_skip_freq"] = [int(bool(w)) for w in shape.window_layers]
+    return kwargs
 
 
 def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=None,

@@ -36,8 +36,15 @@ the expert-data-parallel group by megatron DDP. Dropout masks are the per-expert
 (lora/grouped.py): keys sub_key(layer key, 2 e + j), rows' global token indices from the layer's
 token route (lora/token_route.py), so grouped and sequential experts drop the same entries.
 
-Not supported (refused at construction, naming the config field): expert biases
-(add_bias_linear), Transformer Engine activation modules (use_te_activation_func), fp8 / fp4
+Biases (add_bias_linear, GPT-OSS): each row gets its expert's fc1 bias before the activation and
+its expert's fc2 bias scaled by the row's probability after fc2, as megatron's MLP does for
+experts; exact at any EP. With expert-TP > 1 megatron would add the fc2 bias on every expert-TP
+rank's partial sum (megatron-core itself asserts ETP 1 for biased experts): refused, naming
+--expert-tensor-parallel-size. The clamped SwiGLU (activation_func_clamp_value,
+glu_linear_offset) is megatron MLP's unfused glu.
+
+Not supported (refused at construction, naming the config field): expert biases under expert-TP
+> 1 (above), Transformer Engine activation modules (use_te_activation_func), fp8 / fp4
 expert inputs, delayed weight-gradient computation (delay_wgrad_compute). The activation is
 computed unfused (megatron's bias_activation_fusion kernels are not called); in fp32 it equals
 SequentialMLP's to rounding.
@@ -130,10 +137,13 @@ class GroupedExperts(SequentialMLP):
     SequentialMLP's arguments."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, **kwargs):
+        etp = getattr(config, "expert_tensor_parallel_size", 1) or 1
         problems = [
             f"TransformerConfig.{field}={getattr(config, field)!r} ({why})"
             for field, bad, why in (
-                ("add_bias_linear", getattr(config, "add_bias_linear", False), "expert biases"),
+                ("add_bias_linear", getattr(config, "add_bias_linear", False) and etp > 1,
+                 f"expert biases with expert_tensor_parallel_size={etp}: every expert-TP rank "
+                 "would add the fc2 bias to its partial sum; use --expert-tensor-parallel-size 1"),
                 ("use_te_activation_func", getattr(config, "use_te_activation_func", False),
                  "Transformer Engine activation"),
                 ("fp8", getattr(config, "fp8", None), "fp8 expert inputs"),
@@ -183,8 +193,26 @@ class GroupedExperts(SequentialMLP):
                 f"{self.num_local_experts} local experts and {x.shape[0]} rows"
             )
         h = self._linear("linear_fc1", x, counts, 0)
+        bias = self._row_bias("linear_fc1", counts)
+        if bias is not None:
+            h = (h + bias).to(h.dtype)
         z = self._activation(h, probs)
-        return self._linear("linear_fc2", z, counts, 1), None
+        out = self._linear("linear_fc2", z, counts, 1)
+        bias = self._row_bias("linear_fc2", counts)
+        if bias is not None:  # MLP.forward for experts: the fc2 bias is scaled by the prob too
+            out = (out + bias * probs.unsqueeze(-1)).to(out.dtype)
+        return out, None
+
+    def _row_bias(self, name: str, counts: List[int]) -> Optional[torch.Tensor]:
+        """[N, out] each row's expert bias of `name` (None without biases): the E local biases
+        stacked (small) and repeated over each expert's rows; autograd delivers each expert's
+        bias gradient to its own Parameter."""
+        biases = [_base_linear(getattr(mlp, name)).bias for mlp in self.local_experts]
+        if biases[0] is None:
+            return None
+        repeats = torch.tensor(counts, device=biases[0].device)
+        return torch.repeat_interleave(torch.stack(biases), repeats, dim=0,
+                                       output_size=sum(counts))
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """megatron MLP's unfused activation with per-row probabilities (MLP.forward)."""

@@ -98,6 +98,7 @@ class ParallelLayout:
         num_experts: Optional[int] = None,  # 0: a dense model; None: not checked
         ffn_hidden_size: Optional[int] = None,
         moe_ffn_hidden_size: Optional[int] = None,
+        expert_biases: bool = False,
         flags: bool = False,
     ) -> List[str]:
         """Every reason this layout cannot run on `world_size` ranks for a model of these sizes.
@@ -135,6 +136,13 @@ class ParallelLayout:
             out.append(
                 f"{say.value('etp')} does not divide moe_ffn_hidden_size={moe_ffn_hidden_size}"
             )
+        if expert_biases and self.expert_tp > 1:
+            # megatron's expert MLP adds the fc2 bias to every expert-TP rank's partial sum
+            # (megatron-core asserts ETP 1 for biased experts).
+            out.append(f"experts with biases need {say.name('etp')}{' ' if flags else '='}1, got "
+                       f"{self.expert_tp}"
+                       + (" (it defaults to the tensor-parallel size)" if self.etp is None
+                          else ""))
         return out
 
     def validate(self, world_size: int, flags: bool = False, **model_sizes) -> None:

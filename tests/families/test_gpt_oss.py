@@ -1,0 +1,249 @@
+"""GPT-OSS against transformers 5.24's own GptOssForCausalLM.
+
+A tiny random model made by transformers in the test: learned sinks moved off their initial
+values, a sliding window of 5 keys on alternate layers (shorter than the 12-token sequences),
+non-zero biases on q/k/v/o, the router and the experts, a `swiglu_limit` of 0.4 that the gate and
+up projections exceed, norms moved off 1, and expert weights that are exactly MXFP4 values (so
+the same model can also be stored as `*_blocks` / `*_scales`). Checked: config and refusals; the
+tensors megatron builds are the mapping's (keys, global shapes, bytes) at TP2+SP (ETP1) and PP2;
+the round trip is bit-identical and the MXFP4 folder converts to the same checkpoint; logits
+within 1e-4 of transformers' at 1 rank, PP2xEP2 (grouped experts) and TP2xEP2+SP (ETP1), with
+megatron's DotProductAttention and with SDPAttention.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_lora.families import ModelConfigError, model_info
+from megatron_lora.families.gpt_oss import GPT_OSS
+from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing import parity
+from tests.families import _support as F
+from tests.harness import multirank
+
+LAYERS = ["sliding_attention", "full_attention"] * 2
+CONFIG = dict(vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+              num_experts_per_tok=2, sliding_window=5, layer_types=LAYERS, swiglu_limit=0.4,
+              max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-5,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+              architectures=["GptOssForCausalLM"], model_type="gpt_oss")
+VARIANTS = {"hf": {}}
+EXPERTS = ("gate_up_proj", "down_proj")
+
+
+def _mxfp4_values(shape_out_in, g):
+    """Random MXFP4 blocks / scales for [E, out, in] and transformers' [E, in, out] values."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    e, rows, cols = shape_out_in
+    blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(122, 126, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+    return blocks, scales, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+
+
+def make(directory: str, seed: int = 0, **overrides) -> None:
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(seed)
+    cfg = {k: v for k, v in dict(CONFIG, **overrides).items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**cfg)).float()
+    F.perturb_norms(model)
+    g = torch.Generator().manual_seed(seed + 100)
+    packed = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("_bias", ".bias")):
+                p.normal_(0, 0.3, generator=g)
+            elif name.endswith(".sinks"):
+                p.normal_(0, 1.0, generator=g)
+            elif name.endswith(EXPERTS):
+                blocks, scales, values = _mxfp4_values(
+                    (p.shape[0], p.shape[2], p.shape[1]), g)
+                p.copy_(values)
+                packed[name] = (blocks, scales)
+    model.save_pretrained(directory)
+    torch.save(packed, os.path.join(directory, "mxfp4.pt"))
+
+
+def _mxfp4_folder(hf: str, out: str) -> str:
+    """`hf` with its expert weights stored as MXFP4 pairs (the same values)."""
+    os.makedirs(out)
+    for name in os.listdir(hf):
+        if name != "mxfp4.pt":
+            shutil.copyfile(os.path.join(hf, name), os.path.join(out, name))
+    packed = torch.load(os.path.join(hf, "mxfp4.pt"))
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    for name, (blocks, scales) in packed.items():
+        del tensors[name]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    paths = F.convert_and_reference(str(tmp_path_factory.mktemp("gpt_oss")), make, VARIANTS)
+    return paths
+
+
+def test_config_gives_the_sizes_megatron_builds():
+    info = model_info(CONFIG)
+    s = info.shape
+    assert info.family is GPT_OSS and info.head_dim == 16 and s.kv_channels == 16
+    assert s.add_bias_linear and s.attention_sinks and not s.moe_router_pre_softmax
+    assert (s.swiglu_alpha, s.swiglu_limit) == (1.702, 0.4)
+    assert s.sliding_window == 5 and s.window_layers == (True, False, True, False)
+    assert (s.ffn_hidden_size, s.num_experts, s.moe_router_topk) == (32, 4, 2)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}),
+     "only unscaled ('default') RoPE"),
+    (dict(layer_types=["sliding_attention"] * 3), "field 'layer_types' must list 4 of"),
+    (dict(layer_types=["chunked_attention"] * 4), "field 'layer_types' must list 4 of"),
+    (dict(attention_bias=False), "field attention_bias=false"),
+    (dict(tie_word_embeddings=True), "field tie_word_embeddings=true"),
+    (dict(swiglu_limit=-1.0), "field 'swiglu_limit' must be a positive number"),
+])
+def test_what_megatron_cannot_reproduce_is_refused_naming_the_field(change, message):
+    with pytest.raises(ModelConfigError) as err:
+        model_info(dict(CONFIG, **change), source="/m/config.json")
+    assert str(err.value).startswith("/m/config.json: ") and message in str(err.value), err.value
+
+
+def test_biased_experts_refuse_expert_tp_naming_the_flag():
+    (problem,) = model_info(CONFIG).layout_problems(ParallelLayout(tp=2, sp=True), 2, flags=True)
+    assert problem == ("experts with biases need --expert-tensor-parallel-size 1, got 2 (it "
+                       "defaults to the tensor-parallel size)")
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True, etp=1), ParallelLayout(pp=2)],
+                         ids=["TP2+SP", "PP2"])
+def test_megatron_builds_the_tensors_of_the_mapping(layout, oss):
+    F.structure_matches_megatron(paths=oss, name="hf", layout=layout)
+
+
+def test_round_trip_is_bit_identical_and_mxfp4_converts_alike(oss, tmp_path):
+    from megatron_lora.convert.hf_to_mcore import hf_to_mcore
+    from megatron_lora.convert.mcore_to_hf import mcore_to_hf
+    from tests.convert.test_roundtrip import assert_bit_identical, read_hf_tensors
+
+    out = str(tmp_path / "hf_out")
+    mcore_to_hf(oss["mcore"], out, max_shard_bytes=200_000, progress=False)
+    original = read_hf_tensors(oss["hf"])
+    for suffix in ("self_attn.sinks", "mlp.router.bias", "self_attn.o_proj.bias",
+                   "mlp.experts.gate_up_proj", "mlp.experts.down_proj_bias"):
+        assert any(k.endswith(suffix) for k in original), suffix
+    assert_bit_identical(original, read_hf_tensors(out))
+    assert json.load(open(os.path.join(out, "config.json")))["layer_types"] == LAYERS
+
+    packed = _mxfp4_folder(oss["hf"], str(tmp_path / "mxfp4"))
+    assert any(k.endswith("gate_up_proj_blocks") for k in read_hf_tensors(packed))
+    hf_to_mcore(packed, str(tmp_path / "mcore4"), progress=False)
+    mcore_to_hf(str(tmp_path / "mcore4"), str(tmp_path / "back4"), progress=False)
+    assert_bit_identical(original, read_hf_tensors(str(tmp_path / "back4")))
+
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.convert.hf_to_mcore import open_hf
+
+    tensors = load_file(os.path.join(packed, "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj"
+    save_file({k: v for k, v in tensors.items() if k != name + "_scales"},
+              os.path.join(packed, "model.safetensors"))
+    with pytest.raises(ConversionError, match=f"tensor '{name}' is stored as MXFP4 but "
+                                              f"{name}_scales is missing"):
+        open_hf(packed)
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj"
+    tensors[gate_up + "_blocks"] = tensors[gate_up + "_blocks"][:, :, :1].contiguous()
+    tensors[gate_up + "_scales"] = tensors[gate_up + "_scales"][:, :, :1].contiguous()
+    save_file(tensors, os.path.join(packed, "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"_blocks' has shape \[4, 64, 1, 16\], but "
+                                              r"config.json implies \[4, 64, 2, 16\] \(MXFP4 "
+                                              r"of the dense \[4, 64, 64\]\)"):
+        open_hf(packed)
+
+
+@multirank(world_size=lambda world_size, **_: world_size, timeout=600)
+def _logits(layout, grouped, world_size, paths):
+    """The converted checkpoint with megatron's DotProductAttention ("unfused") and with the
+    default core attention (SDPAttention for windowed models), and the HF load: transformers'
+    logits within 1e-4."""
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.models.build import build_model, model_config
+
+    ref = load_file(paths["reference"])
+    info, hf, _ = open_hf(paths["hf"])
+    got = {}
+    for backend, from_mcore in (("unfused", True), (None, True), (None, False)):
+        model = build_model(info, model_config(info, layout), moe_grouped_gemm=grouped,
+                            attention_backend=backend, use_te=False)
+        load_mcore(model, paths["mcore"]) if from_mcore else load_hf(model, info, hf)
+        got[(backend, from_mcore)] = forward_logits(model, ref["tokens"], info.vocab_size)
+    for case, logit in got.items():
+        if parity.assert_held_by(logit, 1, "the logits"):
+            diff = (logit - ref["hf"]).abs().max().item()
+            assert diff <= F.TOL, f"{case} at {layout.describe()}: max abs diff {diff:.3e}"
+
+
+@pytest.mark.parametrize("layout,grouped,world_size", [
+    pytest.param(ParallelLayout(), False, 1, id="1rank"),
+    pytest.param(ParallelLayout(pp=2, ep=2), True, 4, id="PP2xEP2-grouped"),
+    pytest.param(ParallelLayout(tp=2, ep=2, sp=True, etp=1), False, 4, id="TP2xEP2+SP-ETP1"),
+])
+def test_logits_match_transformers(layout, grouped, world_size, oss):
+    _logits(layout=layout, grouped=grouped, world_size=world_size, paths=oss)
+
+
+def test_peft_files_are_refused_before_any_work(oss, tmp_path):
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.export.from_peft import import_peft
+    from megatron_lora.export.to_peft import export_peft
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for call in (lambda: export_peft(str(adapter), str(tmp_path / "out"), hf_config=oss["hf"]),
+                 lambda: import_peft(str(adapter), str(tmp_path / "out"), hf_config=oss["hf"])):
+        with pytest.raises(ConversionError, match="PEFT adapters for GptOssForCausalLM "
+                                                  r"\(target_parameters on its fused experts\) "
+                                                  "are not supported yet"):
+            call()
+        assert not (tmp_path / "out").exists()
+
+
+def test_greedy_generate_past_the_window_is_transformers(oss, tmp_path):
+    """Greedy `generate` at TP2+SP (ETP1; KV-cache steps padded to the TP size, past an
+    18-token prompt with a window of 5) gives the tokens of a greedy loop over transformers'
+    forwards. Before SDPAttention kept such steps causal, the first prompt diverged at its
+    second new token."""
+    from transformers import AutoTokenizer
+
+    from tests.data.tiny_tokenizers import mistral_folder
+
+    tok_dir = mistral_folder(str(tmp_path / "tok"), vocab_size=F.VOCAB)
+    prompts = [{"prompt": "hello there how are you the sky is blue"},
+               {"prompt": "the sky is blue fine"}]
+    path, out = str(tmp_path / "prompts.jsonl"), str(tmp_path / "out.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in prompts)
+    F.run("generate", "--load-hf", oss["hf"], "--tokenizer", tok_dir, "--prompts", path,
+          "--out", out, "--max-new-tokens", "8", "--tensor-model-parallel-size", "2",
+          "--sequence-parallel", "--expert-tensor-parallel-size", "1", nproc=2, port=29641)
+    rows = [json.loads(line) for line in open(out)]
+    tok, model = AutoTokenizer.from_pretrained(tok_dir), F.hf_model(oss["hf"])
+    with torch.no_grad():
+        for p, row in zip(prompts, rows):
+            ids, new = tok(p["prompt"]).input_ids, []
+            for _ in range(8):
+                new.append(int(model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+                if new[-1] == tok.eos_token_id:
+                    break
+            assert len(ids) > CONFIG["sliding_window"]
+            assert row["token_ids"] == new, (p, row["token_ids"], new)

@@ -125,7 +125,7 @@ TP2_EP2_SP = ("run_tp", ["--tensor-model-parallel-size", "2", "--expert-model-pa
                          "--sequence-parallel"], 4)
 
 
-def train_and_export(paths: dict, hf: str, targets, port: int, extra=(),
+def train_and_export(paths: dict, hf: str, targets, extra=(),
                      layouts=(PP2_EP2,)) -> dict:
     """The same LoRA run (3 steps, dropout 0.1, rsLoRA) at 1 rank (`run1`) and at each of
     `layouts` (PP2xEP2: `run4`); the PEFT export of run4 (`peft`) and `logits --adapter` of it at
@@ -142,13 +142,12 @@ def train_and_export(paths: dict, hf: str, targets, port: int, extra=(),
             "--lora-target-modules", *targets, "--seed", "3", "--log-interval", "1", *extra]
     for name, flags, nproc in (("run1", [], 1), *layouts):
         out[name] = os.path.join(root, name)
-        run(*args, *flags, "--save", out[name], nproc=nproc, port=port)
+        run(*args, *flags, "--save", out[name], nproc=nproc)
     out["peft"] = os.path.join(root, "peft")
     export_peft(out["run4"], out["peft"], hf_config=hf)
     out["logits"] = os.path.join(root, "logits.safetensors")
     run("logits", "--load-hf", hf, "--adapter", out["run4"], "--tokens", paths["tokens"], "--out",
-        out["logits"], "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2,
-        port=port + 1)
+        out["logits"], "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2)
     return out
 
 
@@ -226,7 +225,7 @@ def _peft_greedy(trained: dict):
     return out
 
 
-def check_generate(trained: dict, tmp: str, port: int) -> None:
+def check_generate(trained: dict, tmp: str) -> None:
     """Greedy `generate --adapter` at TP2+SP gives the tokens of a greedy loop over transformers
     + PEFT forwards."""
     prompts, out = os.path.join(tmp, "prompts.jsonl"), os.path.join(tmp, "out.jsonl")
@@ -234,7 +233,7 @@ def check_generate(trained: dict, tmp: str, port: int) -> None:
         f.writelines(json.dumps(p) + "\n" for p in PROMPTS)
     run("generate", "--load-hf", trained["hf"], "--adapter", trained["run4"], "--tokenizer",
         trained["tok"], "--prompts", prompts, "--out", out, "--max-new-tokens", str(NEW_TOKENS),
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2, port=port)
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2)
     rows = [json.loads(line) for line in open(out)]
     assert [r["token_ids"] for r in rows] == _peft_greedy(trained)
 

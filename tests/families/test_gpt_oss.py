@@ -235,7 +235,7 @@ def test_greedy_generate_past_the_window_is_transformers(oss, tmp_path):
         f.writelines(json.dumps(p) + "\n" for p in prompts)
     F.run("generate", "--load-hf", oss["hf"], "--tokenizer", tok_dir, "--prompts", path,
           "--out", out, "--max-new-tokens", "8", "--tensor-model-parallel-size", "2",
-          "--sequence-parallel", "--expert-tensor-parallel-size", "1", nproc=2, port=29641)
+          "--sequence-parallel", "--expert-tensor-parallel-size", "1", nproc=2)
     rows = [json.loads(line) for line in open(out)]
     tok, model = AutoTokenizer.from_pretrained(tok_dir), F.hf_model(oss["hf"])
     with torch.no_grad():

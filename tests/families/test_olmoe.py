@@ -138,7 +138,7 @@ def test_logits_match_transformers(layout, grouped, world_size, olmoe):
 
 @pytest.fixture(scope="module")
 def trained(olmoe):
-    return F.train_and_export(olmoe, olmoe["hf"], TARGETS, port=29621)
+    return F.train_and_export(olmoe, olmoe["hf"], TARGETS)
 
 
 def test_training_at_pp2_ep2_is_the_one_rank_run(trained):
@@ -161,8 +161,7 @@ def test_training_at_tp2_sp_is_the_one_rank_run(trained):
           "--global-batch-size", "4", "--train-iters", "3", "--lr", "2e-2", "--lora-rank", "4",
           "--lora-alpha", "8", "--lora-dropout", "0.1", "--lora-use-rslora",
           "--lora-target-modules", *TARGETS, "--seed", "3", "--log-interval", "1",
-          "--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", out, nproc=2,
-          port=29624)
+          "--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", out, nproc=2)
     losses = [[r["lm loss"] for r in read_metrics(os.path.join(d, "metrics.jsonl"))
                if "lm loss" in r] for d in (trained["run1"], out)]
     assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5)
@@ -189,7 +188,7 @@ def test_import_of_the_export_is_bit_identical(trained, tmp_path):
 
 
 def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
-    F.check_generate(trained, str(tmp_path), port=29623)
+    F.check_generate(trained, str(tmp_path))
 
 
 # ---- PEFT's own DoRA / prefix-tuning adapters on this family ----

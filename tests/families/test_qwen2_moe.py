@@ -120,7 +120,7 @@ TARGETS = ["linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2", "e
 
 @pytest.fixture(scope="module")
 def trained(qwen2):
-    return F.train_and_export(qwen2, qwen2["hf"], TARGETS, port=29631,
+    return F.train_and_export(qwen2, qwen2["hf"], TARGETS,
                               layouts=(F.PP2_EP2, F.TP2_EP2_SP))
 
 
@@ -158,7 +158,7 @@ def test_import_of_the_export_is_bit_identical(trained, tmp_path):
 
 
 def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
-    F.check_generate(trained, str(tmp_path), port=29633)
+    F.check_generate(trained, str(tmp_path))
 
 
 def test_shared_expert_rank_pattern_is_checked_apart_from_the_routed_experts():

@@ -144,7 +144,7 @@ def test_logits_match_transformers(layout, grouped, world_size, qwen3):
 
 @pytest.fixture(scope="module")
 def trained(qwen3):
-    return F.train_and_export(qwen3, qwen3["hf"], TARGETS, port=29611)
+    return F.train_and_export(qwen3, qwen3["hf"], TARGETS)
 
 
 def test_training_at_pp2_ep2_is_the_one_rank_run(trained):
@@ -192,7 +192,7 @@ def test_import_of_the_export_is_bit_identical(trained, tmp_path):
 
 
 def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
-    F.check_generate(trained, str(tmp_path), port=29613)
+    F.check_generate(trained, str(tmp_path))
 
 
 def test_merged_export_is_the_adapted_model(trained, tmp_path):

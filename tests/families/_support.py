@@ -128,8 +128,8 @@ TP2_EP2_SP = ("run_tp", ["--tensor-model-parallel-size", "2", "--expert-model-pa
 def train_and_export(paths: dict, hf: str, targets, extra=(),
                      layouts=(PP2_EP2,)) -> dict:
     """The same LoRA run (3 steps, dropout 0.1, rsLoRA) at 1 rank (`run1`) and at each of
-    `layouts` (PP2xEP2: `run4`); the PEFT export of run4 (`peft`) and `logits --adapter` of it at
-    TP2+SP (`logits`)."""
+    `layouts` (PP2xEP2: `run4`); the PEFT export (`peft`) of the first layout's run (`exported`)
+    and `logits --adapter` of it at TP2+SP (`logits`)."""
     from megatron_lora.export.to_peft import export_peft
     from tests.data.tiny_tokenizers import mistral_folder
 
@@ -144,9 +144,10 @@ def train_and_export(paths: dict, hf: str, targets, extra=(),
         out[name] = os.path.join(root, name)
         run(*args, *flags, "--save", out[name], nproc=nproc)
     out["peft"] = os.path.join(root, "peft")
-    export_peft(out["run4"], out["peft"], hf_config=hf)
+    out["exported"] = out[layouts[0][0]]  # the run of the first layout
+    export_peft(out["exported"], out["peft"], hf_config=hf)
     out["logits"] = os.path.join(root, "logits.safetensors")
-    run("logits", "--load-hf", hf, "--adapter", out["run4"], "--tokens", paths["tokens"], "--out",
+    run("logits", "--load-hf", hf, "--adapter", out["exported"], "--tokens", paths["tokens"], "--out",
         out["logits"], "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2)
     return out
 
@@ -193,12 +194,12 @@ def check_peft_logits(trained: dict) -> dict:
 
 
 def check_import_is_bit_identical(trained: dict, out: str) -> None:
-    """import peft of the export gives back run4's adapter bit for bit (the real vocabulary rows:
+    """import peft of the export gives back the exported run's adapter bit for bit (the real vocabulary rows:
     padded rows are not exported)."""
     from megatron_lora.export.from_peft import import_peft
 
     import_peft(trained["peft"], out, hf_config=trained["hf"])
-    original, back = adapter_tensors(trained["run4"]), adapter_tensors(out)
+    original, back = adapter_tensors(trained["exported"]), adapter_tensors(out)
     assert sorted(original) == sorted(back)
     real = {"embedding.word_embeddings.lora_A": (slice(None), slice(0, VOCAB)),  # [r, Vp]
             "output_layer.lora_B": (slice(0, VOCAB),)}  # [Vp, r]
@@ -231,7 +232,7 @@ def check_generate(trained: dict, tmp: str) -> None:
     prompts, out = os.path.join(tmp, "prompts.jsonl"), os.path.join(tmp, "out.jsonl")
     with open(prompts, "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in PROMPTS)
-    run("generate", "--load-hf", trained["hf"], "--adapter", trained["run4"], "--tokenizer",
+    run("generate", "--load-hf", trained["hf"], "--adapter", trained["exported"], "--tokenizer",
         trained["tok"], "--prompts", prompts, "--out", out, "--max-new-tokens", str(NEW_TOKENS),
         "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2)
     rows = [json.loads(line) for line in open(out)]

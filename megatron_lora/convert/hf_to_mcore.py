@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from typing import Tuple
 
 import torch
@@ -65,8 +66,9 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
             )
     ignored = IGNORED_HF_SUFFIXES + (("lm_head.weight",) if info.shape.tie_embeddings else ())
     pair_names = {f"{n}_{part}" for n in packed for part in ("blocks", "scales")}
+    skipped = _unbuilt_layer_tensors(hf_dir, info, ckpt)
     extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored)
-                   and n not in pair_names)
+                   and n not in pair_names and n not in skipped)
     if extra:
         raise ConversionError(
             f"{hf_dir}: tensors not part of the model as config.json describes it: "
@@ -76,6 +78,28 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
     if len(dtypes) != 1:
         raise ConversionError(f"{hf_dir}: tensors have mixed dtypes {sorted(map(str, dtypes))}")
     return info, ckpt, dtypes.pop()
+
+
+def _unbuilt_layer_tensors(hf_dir: str, info: ModelInfo, ckpt: HFCheckpoint) -> set:
+    """The tensors of the layers after the decoder that the family does not build
+    (Family.extra_layers_field, e.g. multi-token-prediction layers); said once on stderr."""
+    field = info.family.extra_layers_field
+    count = info.hf_config.get(field, 0) if field else 0
+    if not count:
+        return set()
+    L = info.shape.num_layers
+    prefixes = tuple(info.family.names.layer.format(l=l) for l in range(L, L + count))
+    skipped = {n for n in ckpt.tensors if n.startswith(prefixes)}
+    if skipped and _first_rank():
+        print(f"{hf_dir}: skipping the {len(skipped)} tensors of layer(s) {L}..{L + count - 1} "
+              f"({field}={count}): they are not built nor trained", file=sys.stderr)
+    return skipped
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _mxfp4_pairs(hf_dir: str, ckpt: HFCheckpoint, expected: dict) -> set:

@@ -234,6 +234,8 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
             layer(mlp + "linear_fc2.weight", l, Direct(x + names.expert_down, (h, fd)))
             continue
         layer(mlp + "router.weight", l, Direct(p + names.router, (E, h)))
+        if s.moe_router_expert_bias:
+            layer(mlp + "router.expert_bias", l, Direct(p + names.expert_bias, (E,)))
         if s.add_bias_linear or s.attention_sinks or info.family.fused_experts:
             for key, source in _gpt_oss_layer(info, p, dtype):
                 layer(key, l, source)
@@ -258,6 +260,7 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
         attn + "linear_proj.weight": (L, h, n * d),
         mlp + "linear_fc1.layer_norm_weight": (L, h),
         mlp + "router.weight": (L, E, h),
+        mlp + "router.expert_bias": (L, E),
         mlp + "experts.experts.linear_fc1.weight": (L, E, 2 * f, h),
         mlp + "experts.experts.linear_fc2.weight": (L, E, h, f),
     }

@@ -13,6 +13,7 @@ HF directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_files import HFCheckpoint
 from megatron_lora.convert.mapping import (
     IGNORED_HF_SUFFIXES,
+    OWN_DTYPE_SUFFIXES,
     extra_states,
     hf_shapes,
     mcore_tensors,
@@ -74,10 +76,20 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
             f"{hf_dir}: tensors not part of the model as config.json describes it: "
             f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
         )
-    dtypes = {ckpt.tensors[n].dtype for n in expected if n not in packed}
+    dtypes = {ckpt.tensors[n].dtype for n in expected
+              if n not in packed and not n.endswith(OWN_DTYPE_SUFFIXES)}
     if len(dtypes) != 1:
         raise ConversionError(f"{hf_dir}: tensors have mixed dtypes {sorted(map(str, dtypes))}")
     return info, ckpt, dtypes.pop()
+
+
+def _own_dtype(t, ckpt: HFCheckpoint):
+    """`t` stored in its HF tensor's dtype when that tensor keeps its own (OWN_DTYPE_SUFFIXES),
+    so that the round trip gives it back bit for bit."""
+    names = [n for c in t.chunks for n in c.source.hf_shapes()]
+    if names and all(n.endswith(OWN_DTYPE_SUFFIXES) for n in names):
+        return dataclasses.replace(t, dtype=ckpt.tensors[names[0]].dtype)
+    return t
 
 
 def _unbuilt_layer_tensors(hf_dir: str, info: ModelInfo, ckpt: HFCheckpoint) -> set:
@@ -130,8 +142,8 @@ def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bo
     """Convert `hf_dir` into a torch_dist checkpoint at `save` (created atomically)."""
     prepare_output_dir(save, overwrite=overwrite, inputs={"--hf-dir": hf_dir})
     info, ckpt, dtype = open_hf(hf_dir)
-    tensors = mcore_tensors(info, dtype)
-    total = sum(sum(_nbytes(c.sizes, dtype) for c in t.chunks) for t in tensors)
+    tensors = [_own_dtype(t, ckpt) for t in mcore_tensors(info, dtype)]
+    total = sum(sum(_nbytes(c.sizes, t.dtype or dtype) for c in t.chunks) for t in tensors)
     with atomic_directory(save, overwrite) as tmp, byte_bar(total, "hf-to-mcore", progress) as bar:
 
         def chunk_data(t, c):

@@ -40,7 +40,7 @@ Mixtral's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -163,9 +163,13 @@ class Chunk:
 
 @dataclass(frozen=True)
 class McoreTensor:
+    """dtype: stored in this dtype rather than the checkpoint's (set by conversion for tensors
+    whose HF dtype is their own, OWN_DTYPE_SUFFIXES); None: the checkpoint's."""
+
     key: str
     shape: Tuple[int, ...]
     chunks: Tuple[Chunk, ...]
+    dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +354,10 @@ def hf_shapes(info: ModelInfo) -> Dict[str, Tuple[int, ...]]:
             out.update(c.source.hf_shapes())
     return out
 
+
+# HF tensors kept in their own dtype whatever the weights' (GLM-4.5's fp32 score-correction bias
+# beside bf16 weights; megatron holds it as an fp32 buffer).
+OWN_DTYPE_SUFFIXES = ("mlp.gate.e_score_correction_bias",)
 
 # HF tensors that carry no weights and may be present in older checkpoints.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

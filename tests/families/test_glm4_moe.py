@@ -199,3 +199,34 @@ def _train_at_ep2(paths, layout=ParallelLayout(ep=2)):
 
 def test_expert_bias_stays_frozen_in_lora_training_at_ep2(glm):
     _train_at_ep2(paths=glm)
+
+
+def test_a_bf16_checkpoint_keeps_its_fp32_correction_bias_through_the_round_trip(glm, tmp_path):
+    """The published checkpoints hold bf16 weights and an fp32 e_score_correction_bias: they
+    convert (not refused as mixed dtypes) and come back bit for bit, the bias still fp32."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from megatron_lora.convert.hf_to_mcore import hf_to_mcore
+    from megatron_lora.convert.mcore_to_hf import mcore_to_hf
+    from tests.convert.test_roundtrip import assert_bit_identical, read_hf_tensors
+
+    src = str(tmp_path / "bf16")
+    shutil.copytree(glm["hf"], src)
+    for name in os.listdir(src):
+        if name.endswith(".safetensors") and name != "mtp.safetensors":
+            path = os.path.join(src, name)
+            tensors = {k: v for k, v in read_hf_tensors(src).items()
+                       if json.load(open(os.path.join(src, "model.safetensors.index.json")))
+                       ["weight_map"][k] == name}
+            save_file({k: v if k.endswith("e_score_correction_bias") else v.bfloat16()
+                       for k, v in tensors.items()}, path)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    json.dump(dict(cfg, dtype="bfloat16"), open(os.path.join(src, "config.json"), "w"))
+    hf_to_mcore(src, str(tmp_path / "mcore"), progress=False)
+    mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "out"), progress=False)
+    original = {k: v for k, v in read_hf_tensors(src).items() if k not in MTP}
+    bias = original["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and original["model.norm.weight"].dtype == torch.bfloat16
+    assert_bit_identical(original, read_hf_tensors(str(tmp_path / "out")))

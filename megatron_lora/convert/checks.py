@@ -57,6 +57,8 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         _MLP + "experts.experts.linear_fc2.weight": (layers, experts, hid, ffn),
         "decoder.final_layernorm.weight": (hid,),
     }
+    if s.moe_router_expert_bias:
+        out[_MLP + "router.expert_bias"] = (layers, experts)
     if s.add_qkv_bias:
         out[_ATTN + "linear_qkv.bias"] = (layers, ((n + 2 * g) * d, f"{heads}, head_dim={d}"))
     fs = s.shared_expert_ffn_hidden_size
@@ -164,8 +166,10 @@ def _ceil(a: int, b: int) -> int:
 def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: torch.dtype) -> int:
     """Bytes of model parameters the rank holding the largest pipeline stage allocates: its
     shards of [Vp/tp, h] embedding and output layer, of attention (TP) and of its E/ep experts
-    (ETP), its whole norms and routers. Same on every rank."""
+    (ETP), its whole norms and routers (with the fp32 expert bias, a buffer). Same on every
+    rank."""
     s = info.shape
+    elem = torch.tensor([], dtype=dtype).element_size()
     h, f, E = s.hidden_size, s.ffn_hidden_size, s.num_experts or 0
     n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
     tp, etp = layout.tp, layout.expert_tp
@@ -180,6 +184,8 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
         attention += _ceil(n, tp)
     moe_layer = (attention + E * h + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
                  + _ceil(3 * fs * h, tp) + h * s.shared_expert_gate)
+    if s.moe_router_expert_bias:  # [E] fp32 whatever the dtype, counted in `dtype` elements
+        moe_layer += _ceil(E * 4, elem)
     if s.add_bias_linear:  # the router's (whole) and each local expert's fc1 / fc2
         moe_layer += E + _ceil(E, layout.ep) * (_ceil(2 * f, etp) + h)
     per_stage = _ceil(s.num_layers, layout.pp)
@@ -196,7 +202,7 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
         starts = range(0, s.num_layers, per_stage)
         stage = max(sum(sizes[i:i + per_stage]) + first * (i == 0)
                     + last * (i + per_stage >= s.num_layers) for i in starts)
-    return stage * torch.tensor([], dtype=dtype).element_size()
+    return stage * elem
 
 
 def gib(n: int) -> str:

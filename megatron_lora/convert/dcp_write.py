@@ -144,7 +144,7 @@ def write_torch_dist(
     by_index: Dict[Tuple[str, Tuple[int, ...]], Tuple[McoreTensor, Chunk]] = {}
     for t in tensors:
         for c in t.chunks:
-            items.append(_tensor_item(t, c, dtype))
+            items.append(_tensor_item(t, c, t.dtype or dtype))
             by_index[(t.key, tuple(c.offsets))] = (t, c)
     items += [WriteItem(index=MetadataIndex(o.unique_key), type=WriteItemType.BYTE_IO)
               for o in objects]
@@ -154,10 +154,10 @@ def write_torch_dist(
             return _none_object()
         t, c = by_index[(item.index.fqn, tuple(item.index.offset))]
         data = chunk_data(t, c)
-        if tuple(data.shape) != tuple(c.sizes) or data.dtype != dtype:
+        if tuple(data.shape) != tuple(c.sizes) or data.dtype != (t.dtype or dtype):
             raise AssertionError(
                 f"{t.key} chunk at {list(c.offsets)}: got {data.dtype} {list(data.shape)}, "
-                f"expected {dtype} {list(c.sizes)}"
+                f"expected {t.dtype or dtype} {list(c.sizes)}"
             )
         return data
 

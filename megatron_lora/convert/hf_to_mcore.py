@@ -13,9 +13,11 @@ HF directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import sys
 from typing import Tuple
 
 import torch
@@ -26,6 +28,7 @@ from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_files import HFCheckpoint
 from megatron_lora.convert.mapping import (
     IGNORED_HF_SUFFIXES,
+    OWN_DTYPE_SUFFIXES,
     extra_states,
     hf_shapes,
     mcore_tensors,
@@ -65,17 +68,50 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
             )
     ignored = IGNORED_HF_SUFFIXES + (("lm_head.weight",) if info.shape.tie_embeddings else ())
     pair_names = {f"{n}_{part}" for n in packed for part in ("blocks", "scales")}
+    skipped = _unbuilt_layer_tensors(hf_dir, info, ckpt)
     extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored)
-                   and n not in pair_names)
+                   and n not in pair_names and n not in skipped)
     if extra:
         raise ConversionError(
             f"{hf_dir}: tensors not part of the model as config.json describes it: "
             f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
         )
-    dtypes = {ckpt.tensors[n].dtype for n in expected if n not in packed}
+    dtypes = {ckpt.tensors[n].dtype for n in expected
+              if n not in packed and not n.endswith(OWN_DTYPE_SUFFIXES)}
     if len(dtypes) != 1:
         raise ConversionError(f"{hf_dir}: tensors have mixed dtypes {sorted(map(str, dtypes))}")
     return info, ckpt, dtypes.pop()
+
+
+def _own_dtype(t, ckpt: HFCheckpoint):
+    """`t` stored in its HF tensor's dtype when that tensor keeps its own (OWN_DTYPE_SUFFIXES),
+    so that the round trip gives it back bit for bit."""
+    names = [n for c in t.chunks for n in c.source.hf_shapes()]
+    if names and all(n.endswith(OWN_DTYPE_SUFFIXES) for n in names):
+        return dataclasses.replace(t, dtype=ckpt.tensors[names[0]].dtype)
+    return t
+
+
+def _unbuilt_layer_tensors(hf_dir: str, info: ModelInfo, ckpt: HFCheckpoint) -> set:
+    """The tensors of the layers after the decoder that the family does not build
+    (Family.extra_layers_field, e.g. multi-token-prediction layers); said once on stderr."""
+    field = info.family.extra_layers_field
+    count = info.hf_config.get(field, 0) if field else 0
+    if not count:
+        return set()
+    L = info.shape.num_layers
+    prefixes = tuple(info.family.names.layer.format(l=l) for l in range(L, L + count))
+    skipped = {n for n in ckpt.tensors if n.startswith(prefixes)}
+    if skipped and _first_rank():
+        print(f"{hf_dir}: skipping the {len(skipped)} tensors of layer(s) {L}..{L + count - 1} "
+              f"({field}={count}): they are not built nor trained", file=sys.stderr)
+    return skipped
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _mxfp4_pairs(hf_dir: str, ckpt: HFCheckpoint, expected: dict) -> set:
@@ -106,8 +142,8 @@ def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bo
     """Convert `hf_dir` into a torch_dist checkpoint at `save` (created atomically)."""
     prepare_output_dir(save, overwrite=overwrite, inputs={"--hf-dir": hf_dir})
     info, ckpt, dtype = open_hf(hf_dir)
-    tensors = mcore_tensors(info, dtype)
-    total = sum(sum(_nbytes(c.sizes, dtype) for c in t.chunks) for t in tensors)
+    tensors = [_own_dtype(t, ckpt) for t in mcore_tensors(info, dtype)]
+    total = sum(sum(_nbytes(c.sizes, t.dtype or dtype) for c in t.chunks) for t in tensors)
     with atomic_directory(save, overwrite) as tmp, byte_bar(total, "hf-to-mcore", progress) as bar:
 
         def chunk_data(t, c):

@@ -40,7 +40,7 @@ Mixtral's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -163,9 +163,13 @@ class Chunk:
 
 @dataclass(frozen=True)
 class McoreTensor:
+    """dtype: stored in this dtype rather than the checkpoint's (set by conversion for tensors
+    whose HF dtype is their own, OWN_DTYPE_SUFFIXES); None: the checkpoint's."""
+
     key: str
     shape: Tuple[int, ...]
     chunks: Tuple[Chunk, ...]
+    dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,8 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
             layer(mlp + "linear_fc2.weight", l, Direct(x + names.expert_down, (h, fd)))
             continue
         layer(mlp + "router.weight", l, Direct(p + names.router, (E, h)))
+        if s.moe_router_expert_bias:
+            layer(mlp + "router.expert_bias", l, Direct(p + names.expert_bias, (E,)))
         if s.add_bias_linear or s.attention_sinks or info.family.fused_experts:
             for key, source in _gpt_oss_layer(info, p, dtype):
                 layer(key, l, source)
@@ -258,6 +264,7 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
         attn + "linear_proj.weight": (L, h, n * d),
         mlp + "linear_fc1.layer_norm_weight": (L, h),
         mlp + "router.weight": (L, E, h),
+        mlp + "router.expert_bias": (L, E),
         mlp + "experts.experts.linear_fc1.weight": (L, E, 2 * f, h),
         mlp + "experts.experts.linear_fc2.weight": (L, E, h, f),
     }
@@ -347,6 +354,10 @@ def hf_shapes(info: ModelInfo) -> Dict[str, Tuple[int, ...]]:
             out.update(c.source.hf_shapes())
     return out
 
+
+# HF tensors kept in their own dtype whatever the weights' (GLM-4.5's fp32 score-correction bias
+# beside bf16 weights; megatron holds it as an fp32 buffer).
+OWN_DTYPE_SUFFIXES = ("mlp.gate.e_score_correction_bias",)
 
 # HF tensors that carry no weights and may be present in older checkpoints.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -41,6 +41,7 @@ class HFNames:
     k_norm: str = "self_attn.k_norm.weight"
     shared_expert: str = "mlp.shared_expert."  # with expert_gate / _up / _down (shared experts)
     shared_expert_gate: str = "mlp.shared_expert_gate.weight"
+    expert_bias: str = "mlp.gate.e_score_correction_bias"  # read when shape.moe_router_expert_bias
     dense_mlp: str = "mlp."  # a dense layer's MLP, with expert_gate / _up / _down
     post_attention_norm: str = "post_attention_layernorm.weight"
     final_norm: str = "model.norm.weight"
@@ -95,6 +96,10 @@ class Family:
         `{layer}{expert}gate_up_proj` [E, h, 2f], gate and up interleaved on the last axis,
         `down_proj` [E, f, h], their `_bias` tensors; or MXFP4 `_blocks` / `_scales`), not one
         module per expert (convert/fused_experts.py).
+    extra_layers_field: a config field counting layers the checkpoint holds after the
+        `num_hidden_layers` decoder layers that the model does not build (GLM-4.5's
+        multi-token-prediction layers, `num_nextn_predict_layers`): conversion skips their
+        tensors and says so; "": none.
     """
 
     name: str
@@ -110,6 +115,7 @@ class Family:
     peft_fused_experts: bool = False
     refuses: Tuple[str, ...] = ()
     fused_experts: bool = False
+    extra_layers_field: str = ""
 
     @property
     def base_model_class(self) -> str:

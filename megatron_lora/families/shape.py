@@ -47,6 +47,16 @@ class ModelShape:
     attention_sinks: a learned sink logit per head (megatron's softmax_type="learnable").
     sliding_window / window_layers: layers i with window_layers[i] true attend to the last
     `sliding_window` keys only (HF `layer_types`: "sliding_attention").
+    moe_router_score_function: "softmax" or "sigmoid" (the routing weights are the selected
+    experts' sigmoid scores, renormalised over the top-k when top-k > 1; GLM-4.5).
+    moe_router_expert_bias: a per-expert bias ([E], fp32) added to the scores to choose the
+    experts only, never trained nor updated (HF `e_score_correction_bias`).
+    moe_router_num_groups / moe_router_group_topk: group-limited routing, the experts chosen
+    from the `group_topk` groups with the largest sum of their top-2 scores; None: no groups.
+    moe_router_topk_scaling_factor: the routing weights multiplied by it (HF
+    `routed_scaling_factor`); None: 1.
+    rotary_percent: RoPE on the first rotary_percent of each head's channels (rotate-half, not
+    interleaved), the rest passed through (HF `partial_rotary_factor`).
     """
 
     vocab_size: int
@@ -76,6 +86,12 @@ class ModelShape:
     attention_sinks: bool = False
     sliding_window: Optional[int] = None
     window_layers: Optional[Tuple[bool, ...]] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    rotary_percent: float = 1.0
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",

@@ -71,6 +71,7 @@ def transformer_config(
             moe_router_dtype="fp32",
             moe_router_pre_softmax=shape.moe_router_pre_softmax,
         )
+        kwargs.update(_sigmoid_router_kwargs(shape))
         if shape.moe_layer_pattern:  # a list, never megatron's int (l % freq == 0 is not HF's)
             kwargs["moe_layer_freq"] = list(shape.moe_layer_pattern)
         if shape.shared_expert_ffn_hidden_size:
@@ -83,6 +84,24 @@ def transformer_config(
         kwargs["qk_layernorm"] = True
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _sigmoid_router_kwargs(shape: ModelShape) -> dict:
+    """TransformerConfig fields for sigmoid routing with a score-correction bias, groups and a
+    scaling factor (GLM-4.5); {} for a softmax router without them."""
+    kwargs = {}
+    if shape.moe_router_score_function != "softmax":
+        kwargs["moe_router_score_function"] = shape.moe_router_score_function
+    if shape.moe_router_expert_bias:
+        # The bias is a frozen part of the base model: megatron would move it every step inside
+        # finalize_model_grads (aux-loss-free balancing); an update rate of 0 keeps it as loaded.
+        kwargs.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if shape.moe_router_num_groups:
+        kwargs.update(moe_router_num_groups=shape.moe_router_num_groups,
+                      moe_router_group_topk=shape.moe_router_group_topk)
+    if shape.moe_router_topk_scaling_factor is not None:
+        kwargs["moe_router_topk_scaling_factor"] = shape.moe_router_topk_scaling_factor
+    return kwargs
 
 
 def _gpt_oss_kwargs(shape: ModelShape) -> dict:
@@ -131,6 +150,7 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=Non
         share_embeddings_and_output_weights=shape.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base),
+        rotary_percent=shape.rotary_percent,
     )
     from megatron_lora.lora.input_grad import require_decoder_input_grad
     from megatron_lora.models.recompute import recomputes_parameters

@@ -9,11 +9,17 @@ for
     e8:  8 local experts,  h 1024, ffn 3584, 4096 tokens, top-2 (8192 rows)
     e64: 64 local experts, h 1024, ffn 512,  4096 tokens, top-8 (32768 rows)
     e128: Qwen3-30B-A3B's MoE layer: 128 experts, h 2048, ffn 768, 1024 tokens, top-8 (8192 rows;
-          about 5 GB of fp32 weights for the two variants)
+          about 7 GB of fp32 weights for the three variants)
+Three variants: GroupedExperts as it runs on CPU (runs of whole experts whose intermediates fit
+in cache, fc1 -> activation -> fc2 per run), GroupedExperts in one run of all experts (the CUDA
+order: every row's fc1, then the activation, then fc2), and SequentialMLP.
 Rows are split over the experts by a seeded random routing. Each variant is timed as the best
 process CPU time (other jobs cannot inflate it by descheduling this process) of interleaved
-runs after a warm-up, so load hits both alike. Ends with one JSON line:
-grouped_over_sequential_e8, _e64, _e128 (grouped time / sequential time).
+runs after a warm-up, so load hits both alike, on one torch thread (--threads): with two, process
+CPU time also counts OpenMP's idle worker spinning between kernels, which charges the variant with
+more, smaller kernels for time it did not compute. Ends with one JSON line:
+grouped_over_sequential_e8, _e64, _e128 (grouped time / sequential time) and
+one_run_over_sequential_* (the one-run variant's).
 """
 
 from __future__ import annotations
@@ -106,27 +112,42 @@ def _cpu_time(fn) -> float:
 
 
 def compare(shape: dict, reps: int) -> dict:
-    """{grouped_s, sequential_s, ratio} for one shape (best interleaved CPU times)."""
-    steps = {}
-    for grouped in (True, False):
-        _, experts = build_experts(grouped, shape["experts"], shape["hidden"], shape["ffn"])
+    """{grouped_s, grouped_one_run_s, sequential_s, ratio, one_run_ratio} for one shape (best
+    interleaved CPU times). grouped: GroupedExperts as it runs on CPU, in cache-sized runs of
+    experts; one_run: all experts' fc1, then the activation, then fc2 (its CUDA order)."""
+    from megatron_lora.models import grouped_experts as G
+
+    steps, chunk_bytes = {}, {"grouped": G.CPU_CHUNK_BYTES, "one_run": 0, "sequential": 0}
+    for variant in chunk_bytes:
+        _, experts = build_experts(variant != "sequential", shape["experts"], shape["hidden"],
+                                   shape["ffn"])
         experts.train()
-        steps[grouped] = step_fn(experts, shape["experts"], shape["hidden"], shape["tokens"],
+        steps[variant] = step_fn(experts, shape["experts"], shape["hidden"], shape["tokens"],
                                  shape["topk"])
-        steps[grouped]()  # warm-up
-    best = {True: float("inf"), False: float("inf")}
-    for _ in range(reps):
-        for grouped in (True, False):
-            best[grouped] = min(best[grouped], _cpu_time(steps[grouped]))
-    return {"grouped_s": best[True], "sequential_s": best[False],
-            "ratio": best[True] / best[False]}
+    best = {variant: float("inf") for variant in steps}
+    saved = G.CPU_CHUNK_BYTES
+    try:
+        for rep in range(reps + 1):  # the first round warms up
+            for variant, step in steps.items():
+                G.CPU_CHUNK_BYTES = chunk_bytes[variant]
+                seconds = _cpu_time(step)
+                if rep:
+                    best[variant] = min(best[variant], seconds)
+    finally:
+        G.CPU_CHUNK_BYTES = saved
+    return {"grouped_s": best["grouped"], "grouped_one_run_s": best["one_run"],
+            "sequential_s": best["sequential"], "ratio": best["grouped"] / best["sequential"],
+            "one_run_ratio": best["one_run"] / best["sequential"]}
 
 
-def measure(reps: int = 3, tiny: bool = False) -> dict:
+def measure(reps: int = 3, tiny: bool = False, only=None) -> dict:
     """{"grouped_over_sequential_e8": r8, "grouped_over_sequential_e64": r64, "rows": {...}}."""
     init_single_rank()
-    rows = {name: compare(shape, reps) for name, shape in (TINY if tiny else SHAPES).items()}
+    rows = {name: compare(shape, reps) for name, shape in (TINY if tiny else SHAPES).items()
+            if only is None or name in only}
     result = {f"grouped_over_sequential_{name}": row["ratio"] for name, row in rows.items()}
+    result.update({f"one_run_over_sequential_{name}": row["one_run_ratio"]
+                   for name, row in rows.items()})
     result["rows"] = rows
     return result
 
@@ -134,12 +155,13 @@ def measure(reps: int = 3, tiny: bool = False) -> dict:
 def print_table(result: dict, tiny: bool = False) -> None:
     shapes = TINY if tiny else SHAPES
     print(f"{'case':5s} {'experts':>7s} {'h':>5s} {'ffn':>5s} {'rows':>6s} {'grouped s':>10s} "
-          f"{'sequential s':>12s} {'ratio':>6s}")
+          f"{'one run s':>10s} {'sequential s':>12s} {'ratio':>6s} {'one run':>8s}")
     for name, row in result["rows"].items():
         s = shapes[name]
         print(f"{name:5s} {s['experts']:7d} {s['hidden']:5d} {s['ffn']:5d} "
-              f"{s['tokens'] * s['topk']:6d} {row['grouped_s']:10.3f} {row['sequential_s']:12.3f}"
-              f" {row['ratio']:6.3f}")
+              f"{s['tokens'] * s['topk']:6d} {row['grouped_s']:10.3f} "
+              f"{row['grouped_one_run_s']:10.3f} {row['sequential_s']:12.3f} "
+              f"{row['ratio']:6.3f} {row['one_run_ratio']:8.3f}")
 
 
 def main(argv=None) -> int:
@@ -149,9 +171,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: see the module docstring)")
+    parser.add_argument("--only", nargs="+", choices=sorted(SHAPES), default=None,
+                        help="only these shapes")
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
-    result = measure(args.reps, args.tiny)
+    torch.set_num_threads(args.threads)
+    result = measure(args.reps, args.tiny, args.only)
     print_table(result, args.tiny)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     return 0

@@ -17,6 +17,12 @@
    (per-expert path, 2 experts x 1024 tokens, fp32, best process CPU time of interleaved
    runs). Target <= 10%.
 Ends with one JSON line: extra_token_collective_bytes, grouped_over_loop_e64, expert_lora_share.
+
+Parts 2 and 3 run one torch thread (--threads): with one compute thread the process CPU time is
+the work itself, whatever else the machine runs. With two, it also counts the time OpenMP's idle
+worker spends spinning between kernels, which grows with the number of small kernels and so
+charges LoRA's thin GEMMs several times over (the same share measured 20.2% with 2 threads and
+1.9% with 1 on one busy machine).
 """
 
 from __future__ import annotations
@@ -236,6 +242,8 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for parts 2 and 3 (default 1: see the docstring)")
     parser.add_argument("--no-collectives", action="store_true",
                         help="skip part 1 (the 4-rank collective count)")
     args = parser.parse_args(argv)
@@ -256,7 +264,7 @@ def main(argv=None):
                   f"{row['extra_token_bytes']:12d} {row['extra_all_reduce_bytes']:11d} "
                   f"{row['analytic_all_reduce_bytes']:9d}")
     result["collectives_s"] = time.perf_counter() - started
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     # A one-rank world for the megatron linears of part 3.
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()))

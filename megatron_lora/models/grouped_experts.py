@@ -17,6 +17,12 @@ x [N, h] are the dispatcher's permuted rows (tokens_per_expert[e] rows for local
 that the dispatcher reduces, exactly as SequentialMLP returns it. Grouped matmuls are
 `torch._grouped_mm` where it takes the operands, an exact loop otherwise (lora/grouped.py).
 
+On CPU the local experts run in consecutive runs of whole experts (`expert_chunks`), each run's
+rows taking about CPU_CHUNK_BYTES in fc1 output, activation and fc2 output: fc1 -> activation ->
+fc2 per run, so a run's intermediate is read back from cache rather than memory, in forward and
+(its autograd nodes being per run) in backward. One expert with more rows than that is a run of
+its own. On CUDA all experts are one run (one grouped matmul per weight).
+
 Weights: at construction (and after every `.to()` / `.cuda()`) the E local fc1 weights are
 re-homed into one [E, g*f/t, h] buffer (fc2: [E, h, f/t]), each expert's Parameter a view of its
 slice: the grouped matmul reads the buffer with no copy, and autograd still delivers each
@@ -192,22 +198,48 @@ class GroupedExperts(SequentialMLP):
                 f"GroupedExperts: tokens_per_expert {counts} does not fit "
                 f"{self.num_local_experts} local experts and {x.shape[0]} rows"
             )
-        h = self._linear("linear_fc1", x, counts, 0)
-        bias = self._row_bias("linear_fc1", counts)
+        chunks = expert_chunks(counts, x, self._rows_per_chunk(x))
+        if len(chunks) == 1:
+            return self._rows(x, probs, counts, 0, 0), None
+        # CPU: fc1 -> activation -> fc2 a cache-sized run of experts at a time, so that each
+        # run's [rows, 2f] intermediate is read back from cache, not memory (forward and, its
+        # autograd nodes being per run, backward alike).
+        outs = [self._rows(x[r0:r1], probs[r0:r1], counts[e0:e1], e0, r0)
+                for e0, e1, r0, r1 in chunks]
+        return torch.cat(outs), None
+
+    def _rows_per_chunk(self, x: torch.Tensor) -> Optional[int]:
+        """Rows per run of experts on CPU (None: all at once, as on CUDA): a row's fc1 output,
+        activation and fc2 output take (g + 1) * f/t + h values."""
+        if x.is_cuda or not CPU_CHUNK_BYTES:
+            return None
+        cfg = self.config
+        ffn = cfg.moe_ffn_hidden_size // (getattr(cfg, "expert_tensor_parallel_size", 1) or 1)
+        width = (2 if cfg.gated_linear_unit else 1) * ffn + ffn + cfg.hidden_size
+        return max(1, CPU_CHUNK_BYTES // (width * x.element_size()))
+
+    def _rows(self, x, probs, counts: List[int], e0: int, r0: int) -> torch.Tensor:
+        """fc1 -> activation -> fc2 for local experts e0 .. e0 + len(counts) - 1, whose rows
+        x [n, h] start at row r0 of the layer's input: [n, h]."""
+        h = self._linear("linear_fc1", x, counts, 0, e0, r0)
+        bias = self._row_bias("linear_fc1", counts, e0)
         if bias is not None:
             h = (h + bias).to(h.dtype)
         z = self._activation(h, probs)
-        out = self._linear("linear_fc2", z, counts, 1)
-        bias = self._row_bias("linear_fc2", counts)
+        out = self._linear("linear_fc2", z, counts, 1, e0, r0)
+        bias = self._row_bias("linear_fc2", counts, e0)
         if bias is not None:  # MLP.forward for experts: the fc2 bias is scaled by the prob too
             out = (out + bias * probs.unsqueeze(-1)).to(out.dtype)
-        return out, None
+        return out
 
-    def _row_bias(self, name: str, counts: List[int]) -> Optional[torch.Tensor]:
-        """[N, out] each row's expert bias of `name` (None without biases): the E local biases
-        stacked (small) and repeated over each expert's rows; autograd delivers each expert's
-        bias gradient to its own Parameter."""
-        biases = [_base_linear(getattr(mlp, name)).bias for mlp in self.local_experts]
+    def _experts(self, e0: int, num: int):
+        return list(self.local_experts)[e0:e0 + num]
+
+    def _row_bias(self, name: str, counts: List[int], e0: int = 0) -> Optional[torch.Tensor]:
+        """[n, out] each row's expert bias of `name` (None without biases): the local biases of
+        experts e0.. stacked (small) and repeated over each expert's rows; autograd delivers
+        each expert's bias gradient to its own Parameter."""
+        biases = [_base_linear(getattr(mlp, name)).bias for mlp in self._experts(e0, len(counts))]
         if biases[0] is None:
             return None
         repeats = torch.tensor(counts, device=biases[0].device)
@@ -228,8 +260,9 @@ class GroupedExperts(SequentialMLP):
             act = cfg.activation_func(h)
         return (act * probs.unsqueeze(-1)).to(act.dtype)
 
-    def _linear(self, name: str, x: torch.Tensor, counts: List[int], stream: int):
-        linears = [getattr(mlp, name) for mlp in self.local_experts]
+    def _linear(self, name: str, x: torch.Tensor, counts: List[int], stream: int, e0: int = 0,
+                r0: int = 0):
+        linears = [getattr(mlp, name) for mlp in self._experts(e0, len(counts))]
         bases = [_base_linear(lin) for lin in linears]
         if all(is_nf4(base) for base in bases):
             out = grouped_nf4(x, counts, bases)
@@ -242,7 +275,7 @@ class GroupedExperts(SequentialMLP):
         if any(ad.magnitude is not None for ad in adapters):
             return self._dora_linear(linears, adapters, bases, x, out, counts)
         if len(adapters) == len(linears) and _uniform(adapters):
-            return out + self._grouped_lora(adapters, x, counts, stream)
+            return out + self._grouped_lora(adapters, x, counts, stream, e0, r0)
         # Mixed adapters (rank patterns, some merged): each adds its own term on its rows.
         pieces, start = list(torch.split(out, counts)), 0
         for e, (lin, n) in enumerate(zip(linears, counts)):
@@ -265,8 +298,10 @@ class GroupedExperts(SequentialMLP):
             start += n
         return torch.cat(pieces) if pieces else out
 
-    def _grouped_lora(self, adapters: List[LoraAdapter], x, counts, stream: int):
-        """sum over local experts of s * drop(x_e) A_e^T B_e^T on their rows: [N, out_local]."""
+    def _grouped_lora(self, adapters: List[LoraAdapter], x, counts, stream: int, e0: int = 0,
+                      r0: int = 0):
+        """sum over local experts e0.. of s * drop(x_e) A_e^T B_e^T on their rows (x: the
+        layer's rows from r0 on): [n, out_local]."""
         first = adapters[0]
         g = first.geometry
         a = torch.stack([ad.lora_A for ad in adapters])  # [E, r, in_local]
@@ -284,10 +319,30 @@ class GroupedExperts(SequentialMLP):
                     "grouped experts: LoRA dropout needs the layer's token route; wrap the "
                     "experts with wrap_experts(..., moe_layer=layer)"
                 )
-            ids = route.ids
-            keys = expert_keys(route.key, route.first_expert, len(adapters), stream)
+            ids = route.ids[r0:r0 + x.shape[0]]
+            keys = expert_keys(route.key, route.first_expert + e0, len(adapters), stream)
         u = grouped_linear(x, a, counts, first.scaling, p, keys, offset, ids)  # [N, r]
         return grouped_linear(u, b, counts)
+
+
+# On CPU the experts run in consecutive runs of whole experts whose fc1 and fc2 outputs together
+# take about this many bytes (one expert per run where one alone is larger); 0: all at once.
+CPU_CHUNK_BYTES = 8 << 20
+
+
+def expert_chunks(counts: List[int], x: torch.Tensor, rows_per_chunk: Optional[int]) -> list:
+    """[(e0, e1, r0, r1)]: runs of consecutive experts e0..e1-1 holding rows r0..r1-1, each of
+    at most rows_per_chunk rows unless one expert alone has more (None: one run of all)."""
+    if rows_per_chunk is None:
+        return [(0, len(counts), 0, x.shape[0])]
+    chunks, e0, r0, rows = [], 0, 0, 0
+    for e, n in enumerate(counts):
+        if rows and rows + n > rows_per_chunk:
+            chunks.append((e0, e, r0, r0 + rows))
+            e0, r0, rows = e, r0 + rows, 0
+        rows += n
+    chunks.append((e0, len(counts), r0, r0 + rows))
+    return chunks
 
 
 def _base_rows(base: torch.nn.Module, d: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """benchmarks/step_profile.py runs end to end on a tiny model (`--tiny`) and accounts for the
 step: every part of the model it names gets time, the shares add up to one, and the attributed
-parts (not "other") hold most of it, so a broken attribution (ops left unclaimed) shows."""
+parts (not "other") hold at least 85% of it, so a broken attribution (ops left unclaimed) shows."""
 
 import json
 import os
@@ -24,4 +24,4 @@ def test_step_profile_attributes_the_step_on_cpu():
                  "dispatcher (permute, combine)", "experts (base)", "lora", "norms",
                  "output layer + loss", "optimizer"):
         assert shares[part] > 0, (part, shares)
-    assert shares["other"] < 0.3, shares
+    assert shares["other"] < 0.15, shares

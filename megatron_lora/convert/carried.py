@@ -68,9 +68,9 @@ def read_carried(mcore_dir: str, info) -> Dict[str, int]:
     if not os.path.lexists(path):
         if _prefixes(info):
             field = info.family.extra_layers_field
-            print(f"{mcore_dir}: no {CARRIED} (converted before it was kept): the "
-                  f"{field}={info.hf_config.get(field)} layers are missing from the output",
-                  file=sys.stderr)
+            print(f"{mcore_dir}: no {CARRIED}: the output holds no tensors of the "
+                  f"{field}={info.hf_config.get(field)} layers after the decoder (the HF model "
+                  f"had none, or was converted before they were kept)", file=sys.stderr)
         return {}
     try:
         with safe_open(path, framework="pt") as f:

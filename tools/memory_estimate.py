@@ -5,6 +5,8 @@
 
 Counts (bytes per GPU, bf16 model):
   weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16;
+              dense layers between the MoE layers (first_k_dense_replace, mlp_only_layers) with
+              their own MLP, counted on the stage holding the most MoE layers;
               with --base-quantization nf4 the decoder linears (attention, experts, shared
               experts) at NF4's 0.5 + 1/64 + 4/16384 bytes per parameter (4-bit codes, one
               uint8 scale per 64, one fp32 per 256 scales), router, norms, embeddings in bf16
@@ -49,34 +51,47 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     layers, experts, k = s.num_layers, s.num_experts, s.moe_router_topk
     vocab, d = s.vocab_size, s.head_dim
     fs = s.shared_expert_ffn_hidden_size or 0  # a shared expert: a dense SwiGLU every token
+    fd = s.dense_ffn_hidden_size or 0  # dense layers between the MoE layers (moe_layer_pattern)
     tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
     per_stage = layers // pp
+    pattern = s.moe_layer_pattern or (1,) * layers
+    moe = max(sum(pattern[i:i + per_stage]) for i in range(0, layers, per_stage))  # the largest
+    dense = per_stage - moe  # stage's: its MoE layers and the dense ones beside them
     qkv = h * (heads + 2 * kv) * d
     attn = qkv + heads * d * h
     expert = 3 * h * f
-    linears_per_layer = attn + 3 * h * fs  # dense decoder linears (NF4 with nf4)
-    other_per_layer = experts * h + 2 * h + h * s.shared_expert_gate  # router, norms, gate
+    linears = per_stage * attn + moe * 3 * h * fs + dense * 3 * h * fd  # dense decoder linears
+    other = moe * (experts * h + h * s.shared_expert_gate) + per_stage * 2 * h  # router, norms
     linear_bytes = NF4_BYTES if base_quantization == "nf4" else 2
-    weights = ((per_stage * linears_per_layer / tp + per_stage * experts * expert / (ep * etp))
-               * linear_bytes
-               + (per_stage * other_per_layer / tp + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
+    weights = ((linears / tp + moe * experts * expert / (ep * etp)) * linear_bytes
+               + (other / tp + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
     r = rank
-    lora_dense = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
-                  + ("linear_proj" in targets) * (r * heads * d + h * r))
+    lora_attn = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
+                 + ("linear_proj" in targets) * (r * heads * d + h * r))
     fc1, fc2 = "linear_fc1" in targets, "linear_fc2" in targets
-    lora_expert = fc1 * (r * h + 2 * f * r) + fc2 * (r * f + h * r)
-    lora_dense += fc1 * (r * h + 2 * fs * r) * (fs > 0) + fc2 * (r * fs + h * r) * (fs > 0)
-    adapter_params = per_stage * (lora_dense / tp + experts * lora_expert / (ep * etp))
-    act_layer = 2 * seq * micro_batch * h * (5 + 2 * k * (1 + 3 * f / h)
-                                             + (1 + 3 * fs / h) * (fs > 0)) / tp
+
+    def lora_mlp(width):  # fc1 [2 width, h] and fc2 [h, width] adapters of one SwiGLU
+        return fc1 * (r * h + 2 * width * r) + fc2 * (r * width + h * r)
+
+    lora_dense = (per_stage * lora_attn + moe * lora_mlp(fs) * (fs > 0)
+                  + dense * lora_mlp(fd))
+    adapter_params = lora_dense / tp + moe * experts * lora_mlp(f) / (ep * etp)
+
+    def act(width_moe):  # one layer's activations: attention, then its MLP's tokens
+        return 2 * seq * micro_batch * h * (5 + width_moe) / tp
+
+    act_moe = act(2 * k * (1 + 3 * f / h) + (1 + 3 * fs / h) * (fs > 0))
+    act_dense = act(1 + 3 * fd / h)
+    act_layer = max(act_moe, act_dense if dense else 0)
     if unfused_attention and recompute != "selective":
         # local spec: softmax input and output, [b, a/t, s, s] in bf16 each
-        act_layer += 2 * 2 * micro_batch * heads * seq * seq / tp
+        extra = 2 * 2 * micro_batch * heads * seq * seq / tp
+        act_layer, act_moe, act_dense = act_layer + extra, act_moe + extra, act_dense + extra
     in_flight = pp if pp > 1 else 1
     if recompute == "full":  # layer inputs only, plus one layer being recomputed
         activations = 2 * seq * micro_batch * h / tp * per_stage * in_flight + act_layer
     else:
-        activations = act_layer * per_stage * in_flight
+        activations = (act_moe * moe + act_dense * dense) * in_flight
     return {"weights": weights, "adapters": adapter_params * 2, "optimizer": adapter_params * 16,
             "activations": activations}
 

@@ -6,9 +6,10 @@ Everything that can be wrong with the input is checked before the output directo
 (`open_hf`): config.json, index, shard files and headers, every tensor's presence, shape and dtype
 against config.json. Then each megatron chunk is read from its HF tensor(s), written and dropped.
 The output directory appears (by rename) only when complete. Besides the torch_dist files it holds
-`hf_config.json` (the source config.json), `megatron_lora.json` (vocabulary sizes, dtype) and the
-tokenizer/generation files of the source under `hf_files/`, so mcore-to-hf can rebuild a complete
-HF directory.
+`hf_config.json` (the source config.json), `megatron_lora.json` (vocabulary sizes, dtype), the
+tokenizer/generation files of the source under `hf_files/`, and the tensors of layers the model
+does not build (multi-token prediction) in `hf_carried.safetensors` (convert/carried.py), so
+mcore-to-hf can rebuild a complete HF directory.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Tuple
 import torch
 
 from megatron_lora.convert.atomic import atomic_directory
+from megatron_lora.convert.carried import unbuilt_tensors, write_carried
 from megatron_lora.convert.dcp_write import write_torch_dist
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_files import HFCheckpoint
@@ -68,7 +70,7 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
             )
     ignored = IGNORED_HF_SUFFIXES + (("lm_head.weight",) if info.shape.tie_embeddings else ())
     pair_names = {f"{n}_{part}" for n in packed for part in ("blocks", "scales")}
-    skipped = _unbuilt_layer_tensors(hf_dir, info, ckpt)
+    skipped = set(unbuilt_tensors(hf_dir, info, ckpt, say=_first_rank()))
     extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored)
                    and n not in pair_names and n not in skipped)
     if extra:
@@ -90,22 +92,6 @@ def _own_dtype(t, ckpt: HFCheckpoint):
     if names and all(n.endswith(OWN_DTYPE_SUFFIXES) for n in names):
         return dataclasses.replace(t, dtype=ckpt.tensors[names[0]].dtype)
     return t
-
-
-def _unbuilt_layer_tensors(hf_dir: str, info: ModelInfo, ckpt: HFCheckpoint) -> set:
-    """The tensors of the layers after the decoder that the family does not build
-    (Family.extra_layers_field, e.g. multi-token-prediction layers); said once on stderr."""
-    field = info.family.extra_layers_field
-    count = info.hf_config.get(field, 0) if field else 0
-    if not count:
-        return set()
-    L = info.shape.num_layers
-    prefixes = tuple(info.family.names.layer.format(l=l) for l in range(L, L + count))
-    skipped = {n for n in ckpt.tensors if n.startswith(prefixes)}
-    if skipped and _first_rank():
-        print(f"{hf_dir}: skipping the {len(skipped)} tensors of layer(s) {L}..{L + count - 1} "
-              f"({field}={count}): they are not built nor trained", file=sys.stderr)
-    return skipped
 
 
 def _first_rank() -> bool:
@@ -153,6 +139,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bo
 
         write_torch_dist(tmp, tensors, extra_states(info), chunk_data, dtype)
         write_sidecar(tmp, info, dtype)
+        write_carried(tmp, ckpt, unbuilt_tensors(hf_dir, info, ckpt, say=False))
         os.makedirs(os.path.join(tmp, HF_FILES))
         for name in _PASSTHROUGH:
             if os.path.isfile(os.path.join(hf_dir, name)):

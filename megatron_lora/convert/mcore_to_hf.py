@@ -6,8 +6,9 @@ For each chunk of the mapping table (in HF order: embeddings, layer by layer, fi
 the box is read from the checkpoint (from whatever chunks it was stored as, at whatever layout),
 split into its HF tensors (fused QKV -> q, k, v; fc1 halves -> w1, w3) and appended to the current
 shard file; the padded vocabulary rows are dropped. Writes `model-0000i-of-0000N.safetensors`,
-`model.safetensors.index.json`, `config.json` and the tokenizer files kept by hf-to-mcore, into a
-directory that appears only when complete.
+`model.safetensors.index.json`, `config.json`, the tokenizer files kept by hf-to-mcore and the
+tensors it carried unchanged (`model-carried.safetensors`: layers the model does not build,
+convert/carried.py), into a directory that appears only when complete.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 from typing import List, Tuple
 
 from megatron_lora.convert.atomic import atomic_directory
+from megatron_lora.convert.carried import copy_carried, read_carried
 from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_to_mcore import HF_FILES, read_mcore_info
@@ -64,6 +66,7 @@ def mcore_to_hf(load: str, save: str, *, hf_config: str = None,
     ckpt = TorchDistCheckpoint(load)
     tensors = mcore_tensors(info)
     _check_shapes(ckpt, tensors, info)
+    carried = read_carried(load, info)
     items = sorted(((t, c) for t in tensors for c in t.chunks if not isinstance(c.source, Zeros)),
                    key=_order)
     entries = []  # per item: [(hf name, shape, dtype)]
@@ -96,6 +99,7 @@ def mcore_to_hf(load: str, save: str, *, hf_config: str = None,
                         weight_map[name] = file
                         bar.update(tensor.nbytes)
                     del box
+        total += copy_carried(load, tmp, carried, weight_map)
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:

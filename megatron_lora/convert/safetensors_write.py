@@ -16,7 +16,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 _NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-          torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+          torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+          torch.uint8: "U8"}
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

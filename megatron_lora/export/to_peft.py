@@ -64,6 +64,8 @@ from megatron_lora.families import read_hf_config
 
 # The table's kinds of a dense layer's MLP (between MoE layers).
 DENSE = ("dense_fc1", "dense_fc2")
+# ... and of a shared expert (beside the routed ones).
+SHARED = ("shared_fc1", "shared_fc2")
 
 
 def _patterns(values: Dict[str, Tuple[int, float]], default: Tuple[int, float], order):
@@ -133,12 +135,6 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     experts = [k.name for k in ckpt.kinds() if k.target_kind in ("linear_fc1", "linear_fc2")]
     fused = info.family.peft_fused_experts
     kinds = {k.name for k in ckpt.kinds()}
-    if {"shared_fc1", "shared_fc2"} & kinds and not fused:
-        raise ConversionError(
-            f"{adapter}: PEFT moves every target ending in gate_proj / up_proj / down_proj of a "
-            f"{info.family.base_model_class} onto its fused routed experts, so the shared "
-            f"expert's adapters would load as nothing; export the merged model instead "
-            f"(megatron-lora export hf --merge)")
     if dora and experts:
         raise ConversionError(
             f"{adapter}: a DoRA adapter (trained with --lora-use-dora) on the experts "
@@ -193,17 +189,21 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
     order = names.peft_order()
     parameters = []
     dense = {m for s in plan if s.kind.name in DENSE for m in s.modules()}
-    if dense and not fused:
+    shared = {m for s in plan if s.kind.name in SHARED for m in s.modules()}
+    if (dense or shared) and not fused:
         # PEFT moves every target_modules entry ending in gate_proj / up_proj / down_proj onto
-        # the fused experts, which would drop the dense layers' adapters: their weights are
-        # named as target_parameters instead (lora.ParamWrapper on the nn.Linear weight, the
-        # same update and keys), all at the adapter's default (r, alpha).
-        if peft_fused.check_uniform(values, sorted(dense), "dense-layer MLP") != default:
-            raise ConversionError(f"{adapter}: the dense layers' MLP adapters have another "
-                                  f"(rank, alpha) than the adapter's default; PEFT takes them "
-                                  f"as target_parameters with the global r and lora_alpha")
-        parameters = sorted({names.dense_mlp + short_name(m) + ".weight" for m in dense},
-                            key=lambda t: order.index(t.split(".")[-2]))
+        # the fused experts, which would drop the dense layers' and the shared expert's
+        # adapters: their weights are named as target_parameters instead (lora.ParamWrapper on
+        # the nn.Linear weight, the same update and keys), all at the adapter's default (r, alpha).
+        if peft_fused.check_uniform(values, sorted(dense | shared),
+                                    "dense-layer / shared-expert MLP") != default:
+            raise ConversionError(f"{adapter}: the dense layers' or shared expert's MLP adapters "
+                                  f"have another (rank, alpha) than the adapter's default; PEFT "
+                                  f"takes them as target_parameters with the global r and "
+                                  f"lora_alpha")
+        parameters = sorted({(names.dense_mlp if m in dense else names.shared_expert)
+                             + short_name(m) + ".weight" for m in dense | shared},
+                            key=lambda t: (t.count("."), order.index(t.split(".")[-2])))
     if fused:  # router and routed experts: target_parameters, one (r, alpha) for all experts
         routed = [m for s in plan if s.kind.name in peft_fused.ROUTED for m in s.modules()]
         if routed and peft_fused.check_uniform(values, routed, "gate_up_proj / down_proj") \
@@ -214,7 +214,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
         parameters = peft_fused.target_parameters(names, kinds)
         wrapped = set(routed) | {m for s in plan if s.kind.name == "router" for m in s.modules()}
     else:
-        wrapped = dense
+        wrapped = dense | shared
     plain = {m: v for m, v in values.items() if m not in wrapped}
     rank_p, alpha_p = _patterns(plain, default, order)
     shorts = sorted({_target_name(names, m, m in dense) for m in plain},

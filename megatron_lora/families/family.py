@@ -98,8 +98,9 @@ class Family:
         module per expert (convert/fused_experts.py).
     extra_layers_field: a config field counting layers the checkpoint holds after the
         `num_hidden_layers` decoder layers that the model does not build (GLM-4.5's
-        multi-token-prediction layers, `num_nextn_predict_layers`): conversion skips their
-        tensors and says so; "": none.
+        multi-token-prediction layers, `num_nextn_predict_layers`): the model skips their
+        tensors (saying so); conversion carries them unchanged back to HF (convert/carried.py);
+        "": none.
     """
 
     name: str

@@ -14,7 +14,8 @@ passed through: megatron's rotary_percent), the first `first_k_dense_replace` la
   (`mlp.shared_experts.*`, no gate).
 
 The `num_nextn_predict_layers` multi-token-prediction layers (`model.layers.{L}...` after the
-`num_hidden_layers` decoder layers) are not built; conversion skips their tensors, saying so.
+`num_hidden_layers` decoder layers) are not built; conversion says so and carries their tensors
+unchanged back to HF (convert/carried.py).
 
 Refused, naming the field: other activations, scaled RoPE, attention dropout, a rotary width
 that is not an even number of channels, `norm_topk_prob` false with more than one expert per

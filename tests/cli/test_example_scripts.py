@@ -1,4 +1,4 @@
-"""The launch scripts in examples/mixtral_8x7b and examples/qwen3_moe use only flags `megatron-lora train`
+"""The launch scripts in examples/mixtral_8x7b, examples/qwen3_moe and examples/glm4_moe use only flags `megatron-lora train`
 accepts, with the fast path (sequence 4096, memory-efficient attention; grouped experts are
 the default), so the scripts cannot rot silently. The scripts need GPUs to run; here their
 `megatron_lora train ...` arguments go through the real parser."""
@@ -12,7 +12,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = [os.path.join("mixtral_8x7b", s) for s in ("train_1node.sh", "train_multinode.sh",
                                                      "train.slurm")] + \
-    [os.path.join("qwen3_moe", s) for s in ("train_1node.sh", "train_multinode.sh")]
+    [os.path.join("qwen3_moe", s) for s in ("train_1node.sh", "train_multinode.sh")] + \
+    [os.path.join("glm4_moe", "train_1node.sh")]
 
 
 def _train_args(path):

@@ -6,9 +6,13 @@ transformers' top-2 sum), a non-zero `e_score_correction_bias` that changes whic
 chosen, `routed_scaling_factor` 1.5, a shared expert, layer 0 dense (`first_k_dense_replace` 1),
 RoPE on half of each head (`partial_rotary_factor` 0.5), q/k/v biases; a variant with per-head
 q/k norms, no groups, every layer MoE. The checkpoint also holds a multi-token-prediction layer
-(`model.layers.4.*`, `num_nextn_predict_layers` 1), which conversion skips. Checks: config and
-refusals, the tensors megatron builds are the mapping's, bit-identical round trip, logits within
-1e-4 at 1 rank, PP2xEP2 and TP2xEP2+SP, and the expert bias unchanged by LoRA training at EP2.
+(`model.layers.4.*`, `num_nextn_predict_layers` 1), which the model does not build and
+conversion carries unchanged. Checks: config and refusals, the tensors megatron builds are the
+mapping's, bit-identical round trip (the MTP layer included), logits within 1e-4 at 1 rank,
+PP2xEP2, TP2xEP2+SP and ETP2 (grouped), the expert bias unchanged by LoRA training at EP2, and
+LoRA on every linear kind - the dense layer's MLP and the shared expert's included - trained at
+PP2xEP2 as at one rank, exported to PEFT (logits; dense MLP and shared expert as
+target_parameters), imported, generated with, and merged (with the MTP layer written back).
 """
 
 import json
@@ -127,7 +131,9 @@ def test_megatron_builds_the_tensors_of_the_mapping(layout, glm):
     F.structure_matches_megatron(paths=glm, name="hf", layout=layout)
 
 
-def test_round_trip_is_bit_identical_and_skips_the_mtp_layer(glm, tmp_path, capfd):
+def test_round_trip_is_bit_identical_the_mtp_layer_carried_unchanged(glm, tmp_path, capfd):
+    """The MTP layer is not built (said once) but kept: hf_carried.safetensors in the megatron
+    folder, model-carried.safetensors (in the index) in the HF folder, bit for bit."""
     from megatron_lora.convert.hf_to_mcore import hf_to_mcore
     from megatron_lora.convert.mcore_to_hf import mcore_to_hf
     from tests.convert.test_roundtrip import assert_bit_identical, read_hf_tensors
@@ -139,12 +145,39 @@ def test_round_trip_is_bit_identical_and_skips_the_mtp_layer(glm, tmp_path, capf
     assert err.count("skipping the 3 tensors of layer(s) 4..4 (num_nextn_predict_layers=1)") == 1
     out = str(tmp_path / "hf_out")
     mcore_to_hf(mcore, out, max_shard_bytes=200_000, progress=False)
-    original = {k: v for k, v in read_hf_tensors(glm["hf"]).items() if k not in MTP}
+    original = read_hf_tensors(glm["hf"])
+    assert sorted(MTP) == sorted(k for k in original if k.startswith("model.layers.4."))
     assert original["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
     assert any(k.endswith("mlp.shared_experts.gate_proj.weight") for k in original)
     assert any(k.endswith("self_attn.q_proj.bias") for k in original)
     assert_bit_identical(original, read_hf_tensors(out))
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert {index["weight_map"][k] for k in MTP} == {"model-carried.safetensors"}
     assert json.load(open(os.path.join(out, "config.json")))["n_group"] == 4
+
+
+def test_a_carried_file_out_of_the_folder_or_of_other_layers_is_refused(glm, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.convert.mcore_to_hf import mcore_to_hf
+
+    mcore = str(tmp_path / "mcore")
+    shutil.copytree(glm["mcore"], mcore)
+    carried = os.path.join(mcore, "hf_carried.safetensors")
+    save_file({"model.layers.3.mlp.gate.weight": torch.zeros(8, 64)}, carried)
+    with pytest.raises(ConversionError, match=r"hf_carried.safetensors: tensor 'model.layers.3."
+                                              r"mlp.gate.weight' is not in a layer config.json "
+                                              r"counts after the decoder \(num_nextn_predict_"
+                                              r"layers=1\)"):
+        mcore_to_hf(mcore, str(tmp_path / "a"), progress=False)
+    os.remove(carried)
+    os.symlink(os.path.join(glm["hf"], "mtp.safetensors"), carried)
+    with pytest.raises(ConversionError, match="outside the folder"):
+        mcore_to_hf(mcore, str(tmp_path / "b"), progress=False)
+    assert not os.path.exists(str(tmp_path / "a")) and not os.path.exists(str(tmp_path / "b"))
 
 
 @pytest.mark.parametrize("layout,world_size", [
@@ -154,6 +187,11 @@ def test_round_trip_is_bit_identical_and_skips_the_mtp_layer(glm, tmp_path, capf
 ])
 def test_logits_match_transformers(layout, world_size, glm):
     F.logits_at_layout(layout=layout, grouped=False, world_size=world_size, paths=glm,
+                       variants=list(VARIANTS))
+
+
+def test_logits_match_transformers_at_etp2_with_grouped_experts(glm):
+    F.logits_at_layout(layout=ParallelLayout(ep=1, etp=2), grouped=True, world_size=2, paths=glm,
                        variants=list(VARIANTS))
 
 
@@ -226,7 +264,80 @@ def test_a_bf16_checkpoint_keeps_its_fp32_correction_bias_through_the_round_trip
     json.dump(dict(cfg, dtype="bfloat16"), open(os.path.join(src, "config.json"), "w"))
     hf_to_mcore(src, str(tmp_path / "mcore"), progress=False)
     mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "out"), progress=False)
-    original = {k: v for k, v in read_hf_tensors(src).items() if k not in MTP}
+    original = read_hf_tensors(src)  # the fp32 MTP shard included, carried unchanged
     bias = original["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32 and original["model.norm.weight"].dtype == torch.bfloat16
     assert_bit_identical(original, read_hf_tensors(str(tmp_path / "out")))
+
+
+# ---- LoRA on every linear kind: train at PP2xEP2, export to PEFT, import, generate ----
+
+TARGETS = ["linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2", "embedding",
+           "output_layer"]
+
+
+@pytest.fixture(scope="module")
+def trained(glm):
+    # PP2xEP2: the dense layer 0 and the MoE layer 1 on stage 0, the experts over EP
+    return F.train_and_export(glm, glm["hf"], TARGETS, layouts=(F.PP2_EP2,))
+
+
+def test_training_at_pp2_ep2_is_the_one_rank_run(trained):
+    adapter = F.check_training_parity(trained, "run4")
+    kinds = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in adapter}
+    assert kinds == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "word_embeddings",
+                     "output_layer", "lora"}, kinds  # "lora": the router's (mlp.router.lora.)
+    dense = sorted(k for k in adapter if ".mlp.linear_fc" in k)
+    assert dense == [f"decoder.layers.0.mlp.linear_fc{i}.lora_{ab}" for i in (1, 2)
+                     for ab in "AB"], dense
+    shared = sorted(k for k in adapter if "shared_experts" in k)
+    assert shared == [f"decoder.layers.{l}.mlp.shared_experts.linear_fc{i}.lora_{ab}"
+                      for l in (1, 2, 3) for i in (1, 2) for ab in "AB"], shared
+    routed = {k.split(".mlp.")[0] for k in adapter if ".mlp.experts." in k or ".router." in k}
+    assert routed == {"decoder.layers.1", "decoder.layers.2", "decoder.layers.3"}, routed
+    assert all(adapter[k].abs().max() > 0 for k in dense + shared)
+
+
+def test_peft_export_loads_in_transformers_with_our_logits(trained):
+    config = F.check_peft_logits(trained)
+    assert config["auto_mapping"]["base_model_class"] == "Glm4MoeForCausalLM"
+    # PEFT 0.21 maps glm4_moe's per-expert names (gate, gate_proj, up_proj, down_proj) onto
+    # transformers 5's fused experts itself, and moves every target_modules entry ending in
+    # gate_proj / up_proj / down_proj there: the dense layer's and the shared expert's linears
+    # are named as parameters (lora.ParamWrapper on their weights), or they would load as nothing
+    assert sorted(config["target_modules"]) == sorted(
+        ["embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "gate_proj", "up_proj",
+         "down_proj", "lm_head"])
+    assert config["target_parameters"] == [
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+        "mlp.shared_experts.down_proj.weight"]
+    assert config["use_rslora"] is False and config["lora_alpha"] == 16.0 and config["r"] == 4
+
+
+def test_import_of_the_export_is_bit_identical(trained, tmp_path):
+    F.check_import_is_bit_identical(trained, str(tmp_path / "back"))
+
+
+def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
+    F.check_generate(trained, str(tmp_path))
+
+
+def test_merged_export_is_the_adapted_model_with_the_mtp_layer(trained, tmp_path):
+    """export hf --merge folds every adapter (dense layer, shared expert, routed experts
+    included) into the weights: transformers' logits of the merged folder are those of `logits
+    --adapter`, and the MTP layer is written back bit for bit: a complete GLM checkpoint."""
+    from safetensors.torch import load_file
+
+    from megatron_lora.export.merged import export_merged_hf
+    from tests.convert.test_roundtrip import read_hf_tensors
+
+    out = str(tmp_path / "merged")
+    export_merged_hf(trained["mcore"], trained["run4"], out, progress=False)
+    tokens = torch.tensor(json.load(open(trained["tokens"])))
+    diff = (F.hf_logits(out, tokens) - load_file(trained["logits"])["logits"]).abs().max().item()
+    assert diff <= F.TOL, f"max abs diff {diff:.3e}"
+    original, merged = read_hf_tensors(trained["hf"]), read_hf_tensors(out)
+    assert sorted(merged) == sorted(original)
+    for name in MTP:
+        assert torch.equal(merged[name], original[name]), name

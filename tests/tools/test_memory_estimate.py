@@ -1,10 +1,15 @@
 """tools/memory_estimate.py reads any supported family's config.json: its weights count equals
 the published parameter totals (Mixtral 8x7B: 46.7B; Qwen3-30B-A3B: 30.5B; Qwen3-235B-A22B:
-235B) at one GPU, shrinks as the layout shards it, and counts a shared expert."""
+235B; GLM-4.5-Air: 106B, its dense first layer counted with its own MLP) at one GPU, shrinks as
+the layout shards it, and counts a shared expert; the tables of examples/glm4_moe/README.md are
+the output of the commands shown above them."""
 
 import importlib.util
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -27,7 +32,8 @@ def _config(name):
 
 @pytest.mark.parametrize("config,billions", [("mixtral_8x7b/config.json", 46.7),
                                              ("qwen3_moe/config_30b_a3b.json", 30.5),
-                                             ("qwen3_moe/config_235b_a22b.json", 235.1)])
+                                             ("qwen3_moe/config_235b_a22b.json", 235.1),
+                                             ("glm4_moe/config.json", 106.0)])
 def test_weights_at_one_gpu_are_the_published_parameter_count(config, billions):
     e = _estimate()(_config(config), ParallelLayout(), 1, 4096, 1, 16)
     assert e["weights"] / 2 / 1e9 == pytest.approx(billions, rel=0.01)  # bf16: 2 bytes each
@@ -65,3 +71,28 @@ def test_nf4_base_holds_the_decoder_linears_at_half_a_byte():
         assert nf4["weights"] < bf16["weights"] * 0.3  # the bf16 embeddings are the rest
         assert {k: v for k, v in nf4.items() if k != "weights"} == \
             {k: v for k, v in bf16.items() if k != "weights"}
+
+
+def test_the_glm_readme_tables_are_the_output_of_its_commands():
+    readme = open(os.path.join(ROOT, "examples", "glm4_moe", "README.md")).read()
+    commands = re.findall(r"```sh\n(python tools/memory_estimate.py [^\n]*)\n```", readme)
+    assert len(commands) == 3, commands
+    for command in commands:
+        out = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+        rows = [line for line in out.splitlines() if line.startswith("| ")]
+        assert len(rows) >= 2 and all(row in readme for row in rows), (command, out)
+
+
+def test_a_dense_first_layer_is_counted_with_its_own_mlp():
+    # GLM-4.5-Air with layer 0 dense against every layer MoE: one layer's experts, router and
+    # shared expert fewer, one dense MLP of intermediate_size more
+    air = _config("glm4_moe/config.json")
+    h, f, F, E = 4096, 1408, 10944, 128
+    dense = _estimate()(air, ParallelLayout(), 1, 4096, 1, 16)
+    moe = _estimate()(dict(air, first_k_dense_replace=0), ParallelLayout(), 1, 4096, 1, 16)
+    assert moe["weights"] - dense["weights"] == pytest.approx(
+        2 * (E * 3 * h * f + E * h + 3 * h * f - 3 * h * F))
+    r = 16
+    assert moe["adapters"] - dense["adapters"] == pytest.approx(
+        2 * ((E + 1) * r * (2 * h + 3 * f) - r * (2 * h + 3 * F)))

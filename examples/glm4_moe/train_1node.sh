@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# LoRA fine-tuning of GLM-4.5-Air (106B) on one node of 8 GPUs: TP2 x EP4 with sequence parallelism.
+#   HF=/data/GLM-4.5-Air DATA=/data/train.jsonl SAVE=/ckpt/glm-air-lora bash train_1node.sh
+# The base is read straight from the HF safetensors (each rank reads its own slices; the
+# multi-token-prediction layer is not built). Convert it once with `megatron-lora convert
+# hf-to-mcore` (which keeps that layer for mcore-to-hf and `export hf --merge`) and pass --load
+# instead to start faster. Add --base-quantization nf4 to hold the frozen linears in NF4.
+set -euo pipefail
+: "${HF:?set HF to the Hugging Face GLM-4.5-Air folder}"
+: "${DATA:?set DATA to a JSONL file}"
+: "${SAVE:?set SAVE to the adapter checkpoint folder}"
+torchrun --nproc-per-node 8 -m megatron_lora train \
+  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --sequence-parallel \
+  --moe-token-dispatcher-type alltoall \
+  --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 64 \
+  --train-iters 1000 --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 50 --lr-decay-style cosine \
+  --clip-grad 1.0 --weight-decay 0.0 --bf16 --seed 1234 \
+  --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 \
+  --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 \
+  --save "$SAVE" --save-interval 100 --log-interval 10 \
+  --tensorboard-dir "$SAVE/tensorboard" "$@"

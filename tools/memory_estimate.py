@@ -4,7 +4,8 @@
         --layouts TP2xEP4+SP TP1xEP8 PP2xEP4 TP2xPP2xEP2+SP --world 8 --seq 4096 --rank 16
 
 Counts (bytes per GPU, bf16 model):
-  weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16;
+  weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16
+              (with GPT-OSS's biases on every linear and its attention sinks);
               with --base-quantization nf4 the decoder linears (attention, experts, shared
               experts) at NF4's 0.5 + 1/64 + 4/16384 bytes per parameter (4-bit codes, one
               uint8 scale per 64, one fp32 per 256 scales), router, norms, embeddings in bf16
@@ -56,10 +57,15 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     expert = 3 * h * f
     linears_per_layer = attn + 3 * h * fs  # dense decoder linears (NF4 with nf4)
     other_per_layer = experts * h + 2 * h + h * s.shared_expert_gate  # router, norms, gate
+    expert_other = 0  # per expert, beside its linears
+    if s.add_bias_linear:  # q/k/v and sinks (TP-sharded), o and router (whole on each TP rank)
+        other_per_layer += (heads + 2 * kv) * d + heads * s.attention_sinks + (h + experts) * tp
+        expert_other = 2 * f + h  # fc1 and fc2 biases
     linear_bytes = NF4_BYTES if base_quantization == "nf4" else 2
     weights = ((per_stage * linears_per_layer / tp + per_stage * experts * expert / (ep * etp))
                * linear_bytes
-               + (per_stage * other_per_layer / tp + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
+               + (per_stage * other_per_layer / tp + per_stage * experts * expert_other / ep
+                  + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
     r = rank
     lora_dense = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
                   + ("linear_proj" in targets) * (r * heads * d + h * r))

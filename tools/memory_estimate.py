@@ -4,7 +4,8 @@
         --layouts TP2xEP4+SP TP1xEP8 PP2xEP4 TP2xPP2xEP2+SP --world 8 --seq 4096 --rank 16
 
 Counts (bytes per GPU, bf16 model):
-  weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16;
+  weights     frozen base: dense tensors / TP (/PP by layer), experts / (EP*ETP) (/PP), bf16
+              (with GPT-OSS's biases on every linear and its attention sinks);
               dense layers between the MoE layers (first_k_dense_replace, mlp_only_layers) with
               their own MLP, counted on the stage holding the most MoE layers;
               with --base-quantization nf4 the decoder linears (attention, experts, shared
@@ -62,9 +63,15 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     expert = 3 * h * f
     linears = per_stage * attn + moe * 3 * h * fs + dense * 3 * h * fd  # dense decoder linears
     other = moe * (experts * h + h * s.shared_expert_gate) + per_stage * 2 * h  # router, norms
+    expert_other = 0  # per expert, beside its linears
+    if s.add_bias_linear:  # q/k/v and sinks (TP-sharded), o and router (whole on each TP rank)
+        other += (per_stage * ((heads + 2 * kv) * d + heads * s.attention_sinks + h * tp)
+                  + moe * experts * tp)
+        expert_other = 2 * f + h  # fc1 and fc2 biases
     linear_bytes = NF4_BYTES if base_quantization == "nf4" else 2
     weights = ((linears / tp + moe * experts * expert / (ep * etp)) * linear_bytes
-               + (other / tp + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
+               + (other / tp + moe * experts * expert_other / ep
+                  + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
     r = rank
     lora_attn = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
                  + ("linear_proj" in targets) * (r * heads * d + h * r))

@@ -1,4 +1,5 @@
-"""Readers of the config.json fields most families share (Llama-style attention, RoPE, dtype).
+"""Readers of the config.json fields most families share (Llama-style attention, RoPE and its
+YaRN scaling, dtype).
 
 Each raises ModelConfigError naming the file and the field; a family's `read` calls them in the
 order it wants its messages.
@@ -6,12 +7,12 @@ order it wants its messages.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from megatron_lora.families.fields import Fields, ModelConfigError
-from megatron_lora.families.shape import ModelShape, padded_vocab_size
+from megatron_lora.families.shape import ModelShape, YarnRope, padded_vocab_size
 from megatron_lora.jsonfile import short
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,22 +31,101 @@ def refuse_true(f: Fields, *names: str, why: str = "biases are not supported") -
             raise ModelConfigError(f"{f.source}: field {name}=true: {why}")
 
 
-def read_rope_theta(f: Fields, default: float = 1e6) -> float:
-    """The RoPE base of plain (unscaled) RoPE, from `rope_parameters` (transformers 5) or the
-    top-level `rope_theta`; scaled RoPE is refused."""
-    rope = f.get("rope_parameters", dict, default=None, nullable=True) or {}
-    scaling = f.get("rope_scaling", dict, default=None, nullable=True) or {}
-    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ModelConfigError(f"{f.source}: field rope_type={short(rope_type)}: only unscaled "
-                               f"('default') RoPE is supported")
-    if "rope_theta" in rope:
-        theta = Fields(rope, f.source, "rope_parameters.").number("rope_theta")
+def rope_fields(f: Fields, default: Optional[dict] = None) -> Tuple[Fields, str]:
+    """The RoPE parameters object transformers 5.24 reads (`rope_scaling` when it is a non-empty
+    object, as older and the published GPT-OSS configs write it; else `rope_parameters`; when
+    that is missing or null, the family config class's `default` (GptOssConfig's is YaRN), or
+    {}) as Fields naming it in messages (`rope_scaling.factor`), and its rope type."""
+    scaling = f.get("rope_scaling", dict, default=None, nullable=True)
+    params = f.get("rope_parameters", dict, default=None, nullable=True)
+    name, params = ("rope_scaling", scaling) if scaling else (
+        "rope_parameters", dict(default or {}) if params is None else params)
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        raise ModelConfigError(f"{f.source}: field '{name}.{nested[0]}' is an object: RoPE "
+                               f"parameters per layer type are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise ModelConfigError(f"{f.source}: field '{name}.rope_type' must be a string, got "
+                               f"{short(rope_type)}")
+    return Fields(params, f.source, name + "."), rope_type
+
+
+def read_rope(f: Fields, default_theta: float, max_pos: int, scaled: Tuple[str, ...] = (),
+              default: Optional[dict] = None) -> Tuple[float, Optional[YarnRope]]:
+    """(RoPE base, YaRN parameters or None) of the config; the RoPE types in `scaled` ("yarn")
+    are read (read_yarn), any other scaled RoPE is refused. The base is the parameters object's
+    `rope_theta`, else the top-level `rope_theta`, else `default_theta` (the family's
+    transformers default); `max_pos` is the model's max_position_embeddings; `default`: the
+    parameters transformers' config class sets when the config has none (rope_fields)."""
+    p, rope_type = rope_fields(f, default)
+    if rope_type != "default" and rope_type not in scaled:
+        allowed = " or ".join(["unscaled ('default')"] + [repr(t) for t in scaled])
+        raise ModelConfigError(f"{f.source}: field rope_type={short(rope_type)}: only {allowed} "
+                               f"RoPE is supported")
+    if "rope_theta" in p.cfg:
+        theta = p.number("rope_theta")
     else:
-        theta = f.number("rope_theta", default=default)
+        theta = f.number("rope_theta", default=default_theta)
     if float(theta) != int(theta):
         raise f.bad("rope_theta", "must be a positive whole number", theta)
-    return float(theta)
+    yarn = read_yarn(f, p, max_pos) if rope_type == "yarn" else None
+    return float(theta), yarn
+
+
+def read_rope_theta(f: Fields, default: float = 1e6) -> float:
+    """The RoPE base of plain (unscaled) RoPE; scaled RoPE is refused."""
+    return read_rope(f, default, max_pos=1)[0]
+
+
+YARN_KEYS = ("rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+             "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim",
+             "attention_factor", "partial_rotary_factor")
+
+
+def _optional_scale(p: Fields, name: str) -> Optional[float]:
+    value = p.cfg.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+            or value == float("inf"):
+        raise p.bad(name, "must be a number >= 0 or null", value)
+    return float(value)
+
+
+def read_yarn(f: Fields, p: Fields, max_pos: int) -> YarnRope:
+    """The validated YaRN parameters of RoPE parameters `p` (rope_fields) as transformers 5.24
+    reads them: `factor` (required, >= 1); `original_max_position_embeddings` from the top level
+    when the config has it there (transformers prefers it), else from `p`, else `max_pos`;
+    `beta_fast` / `beta_slow` (default 32 / 1); `truncate` (default true); `mscale` /
+    `mscale_all_dim` (the attention factor is their ratio when both are non-zero: YarnRope).
+    Refused, naming the field: unknown keys, an explicit `attention_factor`, and
+    `partial_rotary_factor` other than 1 (megatron's YaRN rotates the whole head)."""
+    unknown = [k for k in p.cfg if k not in YARN_KEYS]
+    if unknown:
+        raise ModelConfigError(f"{f.source}: field '{p.prefix}{unknown[0]}' is not a YaRN "
+                               f"parameter (known: {', '.join(YARN_KEYS)})")
+    factor = p.number("factor")
+    if factor < 1:
+        raise p.bad("factor", "must be a number >= 1", factor)
+    if p.cfg.get("attention_factor") is not None:
+        raise p.bad("attention_factor", "is not supported (the attention factor is derived from "
+                    "factor, mscale and mscale_all_dim); remove it", p.cfg["attention_factor"])
+    partial = p if "partial_rotary_factor" in p.cfg else f
+    if partial.cfg.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise partial.bad("partial_rotary_factor", "must be 1 with YaRN (YaRN on part of each "
+                          "head is not supported)", partial.cfg["partial_rotary_factor"])
+    if "original_max_position_embeddings" in f.cfg:
+        original = f.integer("original_max_position_embeddings")
+    else:
+        original = p.integer("original_max_position_embeddings", default=max_pos)
+    betas = {}
+    for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        betas[name] = float(default if p.cfg.get(name) is None else p.number(name))
+    return YarnRope(factor=float(factor), original_max_position_embeddings=original,
+                    truncate=p.get("truncate", bool, default=True),
+                    mscale=_optional_scale(p, "mscale"),
+                    mscale_all_dim=_optional_scale(p, "mscale_all_dim"), **betas)
 
 
 def refuse_sliding_window(f: Fields, max_pos: int, use_field: str = None) -> None:

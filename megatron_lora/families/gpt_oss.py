@@ -8,22 +8,28 @@ SwiGLU: gate clamped above at `swiglu_limit`, up to +-`swiglu_limit`,
 gate * sigmoid(`swiglu_alpha` * gate) * (up + 1). In megatron-core: add_bias_linear,
 softmax_type="learnable" (`core_attention.softmax_offset`), window_size / window_attn_skip_freq,
 activation_func_clamp_value and glu_linear_offset (models/gpt.py); the expert weights may be
-MXFP4 (`*_blocks`, `*_scales`), dequantised on conversion (convert/mxfp4.py).
+MXFP4 (`*_blocks`, `*_scales`), dequantised on conversion (convert/mxfp4.py). RoPE is plain or
+YaRN-scaled (`rope_scaling` / `rope_parameters` with `rope_type: "yarn"`, as the published models:
+factor 32 over 4096 positions, beta_fast 32, beta_slow 1, truncate false), read by
+families/common.py `read_rope` and built as megatron's YaRN embedding (models/gpt.py).
 
-Refused: scaled RoPE (the published models use YaRN, `rope_parameters.rope_type: "yarn"`, which
-is not built yet), `attention_bias` false, layer types other than sliding / full attention,
-attention dropout, tied embeddings.
+Refused: other scaled RoPE (linear, dynamic, llama3, longrope), YaRN fields transformers would
+not read as given (families/common.py `read_yarn`), `attention_bias` false, layer types other
+than sliding / full attention, attention dropout, tied embeddings.
 """
 
 from __future__ import annotations
 
-from megatron_lora.families.common import (make_shape, moe_sizes, read_dtype, read_rope_theta,
+from megatron_lora.families.common import (make_shape, moe_sizes, read_dtype, read_rope,
                                            refuse_true)
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
 from megatron_lora.jsonfile import short
 
 LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+# GptOssConfig's RoPE parameters when a config has neither rope_scaling nor rope_parameters
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
 
 
 def _layer_types(f: Fields, layers: int):
@@ -47,8 +53,8 @@ def read(f: Fields, cfg: dict):
     dropout = f.cfg.get("attention_dropout", 0.0)
     if dropout not in (0, 0.0):
         raise ModelConfigError(f"{f.source}: field attention_dropout={short(dropout)}: only 0")
-    theta = read_rope_theta(f, default=150000.0)
     max_pos = f.integer("max_position_embeddings", default=131072)
+    theta, yarn = read_rope(f, 150000.0, max_pos, scaled=("yarn",), default=DEFAULT_ROPE)
     dtype = read_dtype(f)
     kv_heads = f.integer("num_key_value_heads", default=heads, nullable=True)
     sizes = moe_sizes(f, "intermediate_size", lambda g: g.integer("num_local_experts"), 1e-5,
@@ -58,7 +64,7 @@ def read(f: Fields, cfg: dict):
     shape = make_shape(
         f, vocab, hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=heads if kv_heads is None else kv_heads, kv_channels=head_dim,
-        max_position_embeddings=max_pos, rotary_base=theta, add_bias_linear=True,
+        max_position_embeddings=max_pos, rotary_base=theta, yarn=yarn, add_bias_linear=True,
         swiglu_alpha=float(f.number("swiglu_alpha", default=1.702)),
         swiglu_limit=float(f.number("swiglu_limit", default=7.0)), attention_sinks=True,
         sliding_window=window, window_layers=_layer_types(f, sizes["num_layers"]), **sizes)
@@ -79,7 +85,8 @@ GPT_OSS = Family(
     ffn_field="intermediate_size",
     transformers_module="transformers.models.gpt_oss.modeling_gpt_oss",
     fused_experts=True,
-    refuses=("scaled RoPE (YaRN: rope_parameters.rope_type 'yarn', the published models)",
+    refuses=("scaled RoPE other than YaRN (linear, dynamic, llama3, longrope)",
+             "YaRN with attention_factor, partial_rotary_factor != 1 or unknown fields",
              "attention_bias false", "layer_types other than sliding_attention / full_attention",
              "attention_dropout > 0", "tie_word_embeddings true"),
 )

@@ -8,10 +8,53 @@ layout, so one checkpoint loads at any TP that divides the padded vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN-scaled RoPE as transformers 5.24 computes it (`_compute_yarn_parameters`), in its
+    config's names (families/common.py `read_yarn` reads them from config.json).
+
+    Per frequency i of a head of d rotary channels (base b): the extrapolated frequency
+    b^(-2i/d) and the interpolated one b^(-2i/d) / factor are blended by a ramp over i that is 0
+    below `low` and 1 above `high`, the dimensions where a wavelength turns `beta_fast` and
+    `beta_slow` times over `original_max_position_embeddings` positions (floored / ceiled when
+    `truncate`); cos and sin are then multiplied by `attention_factor`, so every q.k logit is
+    scaled by its square.
+    mscale / mscale_all_dim: with both non-zero the attention factor is
+    get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) (DeepSeek-V3's configs);
+    otherwise get_mscale(factor) = 0.1 ln(factor) + 1 (1 for factor <= 1).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+
+    @staticmethod
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def uses_mscale_ratio(self) -> bool:
+        """Whether the attention factor is the mscale ratio (both fields non-zero)."""
+        return bool(self.mscale and self.mscale_all_dim)
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor cos and sin are multiplied by (transformers' `attention_scaling`)."""
+        if self.uses_mscale_ratio:
+            return float(self.get_mscale(self.factor, self.mscale)
+                         / self.get_mscale(self.factor, self.mscale_all_dim))
+        return self.get_mscale(self.factor)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -57,6 +100,8 @@ class ModelShape:
     `routed_scaling_factor`); None: 1.
     rotary_percent: RoPE on the first rotary_percent of each head's channels (rotate-half, not
     interleaved), the rest passed through (HF `partial_rotary_factor`).
+    yarn: YaRN-scaled RoPE over the whole head (megatron's position_embedding_type "yarn",
+    models/gpt.py); None: plain RoPE of `rotary_base`.
     """
 
     vocab_size: int
@@ -92,6 +137,7 @@ class ModelShape:
     moe_router_group_topk: Optional[int] = None
     moe_router_topk_scaling_factor: Optional[float] = None
     rotary_percent: float = 1.0
+    yarn: Optional[YarnRope] = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -118,6 +164,12 @@ class ModelShape:
                 f"ModelShape.moe_router_topk={self.moe_router_topk} must be in "
                 f"[1, num_experts={self.num_experts}]"
             )
+        if isinstance(self.yarn, dict):  # asdict() read back
+            object.__setattr__(self, "yarn", YarnRope(**self.yarn))
+        if self.yarn is not None and self.rotary_percent != 1.0:
+            # megatron's YarnRotaryEmbedding rotates the whole head (it ignores rotary_percent)
+            raise ValueError("ModelShape.yarn needs rotary_percent 1 (YaRN on part of each head "
+                             "is not supported)")
         self._check_layer_pattern()
 
     def _check_layer_pattern(self) -> None:

@@ -83,7 +83,31 @@ def transformer_config(
     if shape.qk_layernorm:
         kwargs["qk_layernorm"] = True
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    _set_yarn(config, shape)
+    return config
+
+
+def _set_yarn(config: TransformerConfig, shape: ModelShape) -> None:
+    """YaRN's fields on `config`, which megatron-core's GPTModel (position_embedding_type "yarn")
+    and SelfAttention read with getattr (TransformerConfig declares them only in its MLA
+    subclass, in 0.16 and 0.19 alike). megatron's YarnRotaryEmbedding computes transformers'
+    frequencies (bit for bit, tests/models/test_yarn.py); the attention factor (cos and sin
+    multiplied by it, SelfAttention's `mscale`) is megatron's mscale ratio when both mscale
+    fields are given and get_mscale(factor) when they are None, which is transformers' rule
+    only if the pair is passed exactly when both are non-zero (transformers ignores a lone
+    mscale; megatron would divide by get_mscale(factor, 0) = 1 and use it)."""
+    yarn = shape.yarn
+    if yarn is None:
+        return
+    ratio = yarn.uses_mscale_ratio
+    config.yarn_rotary_scaling_factor = yarn.factor
+    config.yarn_original_max_position_embeddings = yarn.original_max_position_embeddings
+    config.yarn_beta_fast = yarn.beta_fast
+    config.yarn_beta_slow = yarn.beta_slow
+    config.yarn_mscale = yarn.mscale if ratio else None
+    config.yarn_mscale_all_dim = yarn.mscale_all_dim if ratio else None
+    config.yarn_correction_range_round_to_int = yarn.truncate
 
 
 def _sigmoid_router_kwargs(shape: ModelShape) -> dict:
@@ -128,7 +152,7 @@ def _gpt_oss_kwargs(shape: ModelShape) -> dict:
 
 def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=None,
                     attention_backend: Optional[str] = None) -> GPTModel:
-    """This pipeline stage's GPTModel with RoPE; `block_spec` defaults to the local (CPU-capable)
+    """This pipeline stage's GPTModel with RoPE (YaRN-scaled for `shape.yarn`); `block_spec` defaults to the local (CPU-capable)
     spec of megatron_lora.models.specs with the core attention `attention_backend` names
     (Megatron-LM's names; None keeps megatron's DotProductAttention; see models.specs)."""
     from megatron_lora.models.specs import local_block_spec
@@ -148,7 +172,7 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=Non
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if shape.yarn is not None else "rope",
         rotary_base=int(shape.rotary_base),
         rotary_percent=shape.rotary_percent,
     )

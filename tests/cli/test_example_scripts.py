@@ -1,7 +1,9 @@
-"""The launch scripts in examples/mixtral_8x7b, examples/qwen3_moe and examples/glm4_moe use only flags `megatron-lora train`
-accepts, with the fast path (sequence 4096, memory-efficient attention; grouped experts are
-the default), so the scripts cannot rot silently. The scripts need GPUs to run; here their
-`megatron_lora train ...` arguments go through the real parser."""
+"""The launch scripts in examples/mixtral_8x7b, examples/qwen3_moe, examples/glm4_moe and
+examples/gpt_oss use only flags `megatron-lora train` accepts, with the fast path (sequence 4096,
+memory-efficient attention; grouped experts are the default), so the scripts cannot rot silently;
+the GPT-OSS scripts' layouts fit their published configs at their torchrun world (biased experts
+at expert-TP 1). The scripts need GPUs to run; here their `megatron_lora train ...` arguments go
+through the real parser."""
 
 import os
 import re
@@ -13,7 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPTS = [os.path.join("mixtral_8x7b", s) for s in ("train_1node.sh", "train_multinode.sh",
                                                      "train.slurm")] + \
     [os.path.join("qwen3_moe", s) for s in ("train_1node.sh", "train_multinode.sh")] + \
-    [os.path.join("glm4_moe", "train_1node.sh")]
+    [os.path.join("glm4_moe", "train_1node.sh")] + \
+    [os.path.join("gpt_oss", s) for s in ("train_20b_1gpu.sh", "train_120b_1node.sh")]
 
 
 def _train_args(path):
@@ -33,6 +36,23 @@ def test_example_script_flags_parse(script):
     assert args.seq_length == 4096
     assert args.attention_backend == "flash"
     assert args.moe_grouped_gemm in (None, True)  # None: grouped experts with the local layers
-    assert args.bf16 and args.sequence_parallel
+    assert args.bf16 and (args.sequence_parallel or args.tensor_model_parallel_size == 1)
     assert set(args.lora_target_modules) == {"linear_qkv", "linear_proj", "linear_fc1",
                                              "linear_fc2"}
+
+
+@pytest.mark.parametrize("script,config", [("train_20b_1gpu.sh", "config_20b.json"),
+                                           ("train_120b_1node.sh", "config_120b.json")])
+def test_gpt_oss_scripts_fit_their_models(script, config):
+    import json
+
+    from megatron_lora.cli import build_parser
+    from megatron_lora.cli.common import layout_from_args
+    from megatron_lora.families import model_info
+
+    path = os.path.join(REPO, "examples", "gpt_oss", script)
+    args = build_parser().parse_args(["train"] + _train_args(path))
+    world = int(re.search(r"--nproc-per-node (\d+)", open(path).read()).group(1))
+    info = model_info(json.load(open(os.path.join(REPO, "examples", "gpt_oss", config))))
+    assert info.shape.yarn is not None and info.shape.yarn.factor == 32.0
+    assert info.layout_problems(layout_from_args(args), world, flags=True) == []

@@ -1,4 +1,5 @@
-"""Every ```bash block of docs/ runs as written.
+"""Every ```bash block of docs/ (and of the examples' READMEs in EXAMPLE_PAGES) runs as written;
+an example README's memory tables must be its commands' output, row for row.
 
 Each page's `bash` blocks, in page order, are one bash script (`set -euo pipefail`, so any failing
 command fails the page) run from a fresh folder that stands for the repository root: it holds links
@@ -37,14 +38,23 @@ def _blocks(path: str, language: str):
             re.finditer(rf"^([ \t]*)```{language}\n(.*?)^\1```", text, re.S | re.M)]
 
 
+# The examples' READMEs whose bash blocks run here (memory tables of tools/memory_estimate.py;
+# the others show commands on the full-size models).
+EXAMPLE_PAGES = ("examples/gpt_oss/README.md",)
 PAGES = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
-         if _blocks(p, "bash")]
+         if _blocks(p, "bash")] + list(EXAMPLE_PAGES)
+
+
+def _table_rows(text: str) -> list:
+    """The data rows of the memory tables (`| name | 1.0 GiB | ... |`) in `text`, in order."""
+    return [line.strip() for line in text.splitlines()
+            if line.startswith("| ") and line.rstrip().endswith(" GiB |")]
 
 
 def test_the_pages_with_commands_are_found():
     # the extraction itself works: these pages show runnable commands
     assert {"docs/conversion.md", "docs/peft.md", "docs/training.md", "docs/index.md",
-            "docs/lora.md"} <= \
+            "docs/lora.md", "examples/gpt_oss/README.md"} <= \
         set(PAGES), PAGES
 
 
@@ -122,6 +132,10 @@ def test_docs_page_commands_run_as_written(page, page_runs):
         assert len(json.loads(line)["token_ids"]) == 8
     if page == "docs/index.md":
         assert "all layouts agree with the single-rank run" in done.stdout, done.stdout[-2000:]
+    if page.startswith("examples/"):
+        # the README's memory tables are its commands' output, row for row
+        shown = _table_rows(open(os.path.join(ROOT, page), encoding="utf-8").read())
+        assert shown and shown == _table_rows(done.stdout), done.stdout
 
 
 def test_a_failing_command_fails_its_page(tmp_path, monkeypatch):

@@ -4,11 +4,15 @@ A tiny random model made by transformers in the test: learned sinks moved off th
 values, a sliding window of 5 keys on alternate layers (shorter than the 12-token sequences),
 non-zero biases on q/k/v/o, the router and the experts, a `swiglu_limit` of 0.4 that the gate and
 up projections exceed, norms moved off 1, and expert weights that are exactly MXFP4 values (so
-the same model can also be stored as `*_blocks` / `*_scales`). Checked: config and refusals; the
-tensors megatron builds are the mapping's (keys, global shapes, bytes) at TP2+SP (ETP1) and PP2;
+the same model can also be stored as `*_blocks` / `*_scales`), YaRN RoPE (factor 8 over 64
+positions, non-default betas, no truncation; plain RoPE is off by more than 1e-2). Checked:
+config and refusals; the tensors megatron builds are the mapping's (keys, global shapes, bytes)
+at TP2+SP (ETP1) and PP2;
 the round trip is bit-identical and the MXFP4 folder converts to the same checkpoint; logits
 within 1e-4 of transformers' at 1 rank, PP2xEP2 (grouped experts) and TP2xEP2+SP (ETP1), with
-megatron's DotProductAttention and with SDPAttention.
+megatron's DotProductAttention and with SDPAttention, and at each of these layouts the logits
+of a KV-cache decode (a 5-token prefill, then one token per step, positions 5-11 rotated past
+the prompt and the window) as `generate` makes them; greedy `generate` at TP2+SP.
 """
 
 import json
@@ -27,11 +31,15 @@ from tests.families import _support as F
 from tests.harness import multirank
 
 LAYERS = ["sliding_attention", "full_attention"] * 2
+# YaRN as the published models have it, scaled to the test: its frequency blend spans dims
+# 0.3-3.5 of the 8 (not only the attention factor matters: tests/models/test_yarn.py)
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 8.0, "beta_slow": 0.5, "truncate": False, "rope_theta": 1000.0}
 CONFIG = dict(vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
               num_experts_per_tok=2, sliding_window=5, layer_types=LAYERS, swiglu_limit=0.4,
-              max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-5,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+              max_position_embeddings=512, initializer_range=0.1, rms_norm_eps=1e-5,
+              rope_parameters=YARN,
               architectures=["GptOssForCausalLM"], model_type="gpt_oss")
 VARIANTS = {"hf": {}}
 EXPERTS = ("gate_up_proj", "down_proj")
@@ -100,11 +108,28 @@ def test_config_gives_the_sizes_megatron_builds():
     assert (s.swiglu_alpha, s.swiglu_limit) == (1.702, 0.4)
     assert s.sliding_window == 5 and s.window_layers == (True, False, True, False)
     assert (s.ffn_hidden_size, s.num_experts, s.moe_router_topk) == (32, 4, 2)
+    assert (s.yarn.factor, s.yarn.original_max_position_embeddings, s.rotary_base) == \
+        (8.0, 64, 1000.0)
+
+
+def test_the_reference_logits_see_yarn(oss):
+    """Control: transformers' own model with plain RoPE (same weights, same base) is off from
+    the YaRN reference by far more than the tolerance, so the logits checks below see YaRN."""
+    ref = load_file(oss["reference"])
+    model = F.hf_model(oss["hf"])
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": YARN["rope_theta"]}
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    model.model.rotary_emb = GptOssRotaryEmbedding(model.config)
+    with torch.no_grad():
+        plain = model(ref["tokens"]).logits.float()
+    assert (plain - ref["hf"]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}),
-     "only unscaled ('default') RoPE"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 32.0, "rope_theta": 150000.0}),
+     "only unscaled ('default') or 'yarn' RoPE"),
+    (dict(rope_scaling={"rope_type": "yarn"}), "field 'rope_scaling.factor' must be"),
     (dict(layer_types=["sliding_attention"] * 3), "field 'layer_types' must list 4 of"),
     (dict(layer_types=["chunked_attention"] * 4), "field 'layer_types' must list 4 of"),
     (dict(attention_bias=False), "field attention_bias=false"),
@@ -187,10 +212,37 @@ def _logits(layout, grouped, world_size, paths):
                             attention_backend=backend, use_te=False)
         load_mcore(model, paths["mcore"]) if from_mcore else load_hf(model, info, hf)
         got[(backend, from_mcore)] = forward_logits(model, ref["tokens"], info.vocab_size)
+    got["kv-cache"] = _kv_cache_logits(model, ref["tokens"][0], info.vocab_size, prefill=5)
     for case, logit in got.items():
-        if parity.assert_held_by(logit, 1, "the logits"):
+        if case == "kv-cache":
+            if logit is not None:  # the last pipeline stage
+                diff = (logit - ref["hf"][0, 4:]).abs().max().item()
+                assert diff <= F.TOL, f"{case} at {layout.describe()}: max abs diff {diff:.3e}"
+        elif parity.assert_held_by(logit, 1, "the logits"):
             diff = (logit - ref["hf"]).abs().max().item()
             assert diff <= F.TOL, f"{case} at {layout.describe()}: max abs diff {diff:.3e}"
+
+
+@torch.no_grad()
+def _kv_cache_logits(model, tokens, vocab_size: int, prefill: int):
+    """The logits `generate` decodes with: the first `prefill` tokens in one call, then each
+    further token alone against the KV cache (positions past the prompt and the window, each
+    step padded to the TP size under SP); [len - prefill + 1, vocab] for positions prefill-1..,
+    None off the last pipeline stage."""
+    from megatron.core import parallel_state
+
+    from megatron_lora.inference.generate import _forward
+    from megatron_lora.runtime.versions import static_kv_cache
+
+    model.eval()
+    tp_pad = (parallel_state.get_tensor_model_parallel_world_size()
+              if model.config.sequence_parallel else 1)
+    context = static_kv_cache(1, len(tokens) + tp_pad)
+    ids = tokens.tolist()
+    steps = [_forward(model, context, ids[:prefill], 0, tp_pad, vocab_size)]
+    for pos in range(prefill, len(ids)):
+        steps.append(_forward(model, context, ids[pos:pos + 1], pos, tp_pad, vocab_size))
+    return None if steps[0] is None else torch.stack(steps)
 
 
 @pytest.mark.parametrize("layout,grouped,world_size", [

@@ -1,8 +1,9 @@
 """tools/memory_estimate.py reads any supported family's config.json: its weights count equals
 the published parameter totals (Mixtral 8x7B: 46.7B; Qwen3-30B-A3B: 30.5B; Qwen3-235B-A22B:
-235B; GLM-4.5-Air: 106B, its dense first layer counted with its own MLP) at one GPU, shrinks as
-the layout shards it, and counts a shared expert; the tables of examples/glm4_moe/README.md are
-the output of the commands shown above them."""
+235B; GLM-4.5-Air: 106B, its dense first layer counted with its own MLP; gpt-oss-20b: 20.91B;
+gpt-oss-120b: 116.83B, with their biases and sinks) at one GPU, shrinks as the layout shards it,
+and counts a shared expert; the tables of examples/glm4_moe/README.md are the output of the
+commands shown above them."""
 
 import importlib.util
 import json
@@ -33,10 +34,13 @@ def _config(name):
 @pytest.mark.parametrize("config,billions", [("mixtral_8x7b/config.json", 46.7),
                                              ("qwen3_moe/config_30b_a3b.json", 30.5),
                                              ("qwen3_moe/config_235b_a22b.json", 235.1),
-                                             ("glm4_moe/config.json", 106.0)])
+                                             ("glm4_moe/config.json", 106.0),
+                                             ("gpt_oss/config_20b.json", 20.91),
+                                             ("gpt_oss/config_120b.json", 116.83)])
 def test_weights_at_one_gpu_are_the_published_parameter_count(config, billions):
     e = _estimate()(_config(config), ParallelLayout(), 1, 4096, 1, 16)
-    assert e["weights"] / 2 / 1e9 == pytest.approx(billions, rel=0.01)  # bf16: 2 bytes each
+    rel = 1e-3 if config.startswith("gpt_oss") else 0.01  # exact counts published
+    assert e["weights"] / 2 / 1e9 == pytest.approx(billions, rel=rel)  # bf16: 2 bytes each
     sharded = _estimate()(_config(config), ParallelLayout(tp=2, ep=4, sp=True), 8, 4096, 1, 16)
     assert sharded["weights"] < e["weights"] / 4 and sharded["activations"] < e["activations"]
 

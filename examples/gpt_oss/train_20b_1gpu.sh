@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# LoRA fine-tuning of gpt-oss-20b on one GPU (80 GB or more), with full activation recomputation.
+#   HF=/data/gpt-oss-20b DATA=/data/train.jsonl SAVE=/ckpt/gpt-oss-20b-lora bash train_20b_1gpu.sh
+# The base is read straight from the HF folder (its MXFP4 experts dequantised to bf16 on load);
+# convert it once with `megatron-lora convert hf-to-mcore` and pass --load instead to start
+# faster. Add --base-quantization nf4 to hold the frozen linears in NF4 (README.md).
+set -euo pipefail
+: "${HF:?set HF to the Hugging Face gpt-oss-20b folder}"
+: "${DATA:?set DATA to a JSONL file}"
+: "${SAVE:?set SAVE to the adapter checkpoint folder}"
+torchrun --nproc-per-node 1 -m megatron_lora train \
+  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 32 \
+  --recompute-granularity full \
+  --train-iters 1000 --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 50 --lr-decay-style cosine \
+  --clip-grad 1.0 --weight-decay 0.0 --bf16 --seed 1234 \
+  --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 \
+  --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 \
+  --save "$SAVE" --save-interval 100 --log-interval 10 \
+  --tensorboard-dir "$SAVE/tensorboard" "$@"

@@ -170,6 +170,19 @@ class ModelShape:
             # megatron's YarnRotaryEmbedding rotates the whole head (it ignores rotary_percent)
             raise ValueError("ModelShape.yarn needs rotary_percent 1 (YaRN on part of each head "
                              "is not supported)")
+        if (self.swiglu_limit is not None) != (self.swiglu_alpha is not None):
+            raise ValueError("ModelShape.swiglu_alpha and swiglu_limit go together (GPT-OSS's "
+                             "clamped SwiGLU)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelShape.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.window_layers is not None:  # a JSON list read back: one bool per layer
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
+        if self.window_layers is not None and (self.sliding_window is None
+                                               or len(self.window_layers) != self.num_layers):
+            raise ValueError(
+                f"ModelShape.window_layers needs sliding_window and one entry per layer "
+                f"({self.num_layers}), got {self.window_layers!r}"
+            )
         self._check_layer_pattern()
 
     def _check_layer_pattern(self) -> None:
@@ -199,20 +212,6 @@ class ModelShape:
         """megatron-core keys this model's layers per layer (`decoder.layers.{l}.`), not stacked
         on a leading layer axis: it does so for any `moe_layer_freq` list."""
         return self.moe_layer_pattern is not None
-
-        if (self.swiglu_limit is not None) != (self.swiglu_alpha is not None):
-            raise ValueError("ModelShape.swiglu_alpha and swiglu_limit go together (GPT-OSS's "
-                             "clamped SwiGLU)")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"ModelShape.sliding_window must be >= 1, got {self.sliding_window}")
-        if self.window_layers is not None:  # a JSON list read back: one bool per layer
-            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
-        if self.window_layers is not None and (self.sliding_window is None
-                                               or len(self.window_layers) != self.num_layers):
-            raise ValueError(
-                f"ModelShape.window_layers needs sliding_window and one entry per layer "
-                f"({self.num_layers}), got {self.window_layers!r}"
-            )
 
     @property
     def head_dim(self) -> int:

@@ -49,3 +49,18 @@ def test_mixtral_names_are_its_checkpoint_names():
     assert n.kind_modules()["linear_fc1"] == ("w1", "w3")
     assert MIXTRAL.checkpoint_format == "megatron_lora.mixtral.torch_dist"
     assert MIXTRAL.base_model_class == "MixtralForCausalLM"
+
+
+def test_model_shape_checks_the_gpt_oss_fields_on_construction():
+    from megatron_lora.families.shape import ModelShape
+
+    base = dict(vocab_size=16, hidden_size=8, ffn_hidden_size=12, num_layers=2,
+                num_attention_heads=2, num_query_groups=1, max_position_embeddings=32)
+    with pytest.raises(ValueError, match="swiglu_alpha and swiglu_limit go together"):
+        ModelShape(**base, swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        ModelShape(**base, sliding_window=0)
+    with pytest.raises(ValueError, match=r"window_layers needs sliding_window and one entry"):
+        ModelShape(**base, sliding_window=4, window_layers=[True])
+    # a JSON list read back becomes the tuple the shape holds
+    assert ModelShape(**base, sliding_window=4, window_layers=[1, 0]).window_layers == (True, False)

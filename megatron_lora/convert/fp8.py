@@ -153,12 +153,16 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
     step = max(1, rows_per_chunk // bm) * bm
     w, s = weight.reshape(-1, m, n), scale_inv.reshape(-1, *scale_inv.shape[-2:])
     out = torch.empty(w.shape, dtype=dtype, device=weight.device)
+    whole = n // bn * bn  # columns in whole blocks; the rest share the last scale column
     for k in range(w.shape[0]):
         for r0 in range(0, m, step):
             r1 = min(r0 + step, m)
             scale = s[k, r0 // bm: -(-r1 // bm)].to(torch.float32)
-            scale = scale.repeat_interleave(bm, 0)[: r1 - r0].repeat_interleave(bn, 1)[:, :n]
-            out[k, r0:r1] = (w[k, r0:r1].to(torch.float32) * scale).to(dtype)
+            scale = scale.repeat_interleave(bm, 0)[: r1 - r0]  # [rows, grid columns]
+            chunk = w[k, r0:r1].to(torch.float32)
+            chunk[:, :whole].unflatten(1, (n // bn, bn)).mul_(scale[:, : n // bn, None])
+            chunk[:, whole:].mul_(scale[:, n // bn:])
+            out[k, r0:r1] = chunk.to(dtype)
     return out.reshape(weight.shape)
 
 

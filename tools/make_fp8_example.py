@@ -64,7 +64,9 @@ def make_fp8(hf: str, out: str, block) -> None:
         weight_map.update({name: shard for name in tensors})
     for name in os.listdir(hf):
         src = os.path.join(hf, name)
-        if name.endswith(".safetensors") or name in (INDEX, "config.json") or not os.path.isfile(src):
+        if name.endswith(".safetensors") or name in (INDEX, "config.json"):
+            continue
+        if not os.path.isfile(src):
             continue
         shutil.copyfile(src, os.path.join(out, name))
     if os.path.exists(os.path.join(hf, INDEX)):

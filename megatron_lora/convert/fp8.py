@@ -128,7 +128,8 @@ def quantized_weights(ckpt, fmt: Optional[FP8Format], where: str) -> Dict[str, s
                 f"shape {list(scale.shape)} and dtype {scale.dtype}, but {name!r} "
                 f"{list(info.shape)} with {where} quantization_config.weight_block_size "
                 f"{list(fmt.block)} implies "
-                f"{list(want) if want else 'a weight of 2 or more dimensions'} in fp32 / bf16 / fp16")
+                f"{list(want) if want else 'a weight of 2 or more dimensions'} "
+                "in fp32 / bf16 / fp16")
         pairs[name] = name + SCALE_SUFFIX
     return pairs
 
@@ -198,8 +199,9 @@ class FP8Checkpoint:
         cols = slice(c0 // bn * bn, min(-(-c1 // bn) * bn, n))
         lead = tuple(slice(a, b) for a, b, _ in spans[:-2])
         weight = self.ckpt.read(name, lead + (rows, cols))
-        scale = self.ckpt.read(self.weights[name], lead + (
-            slice(rows.start // bm, -(-rows.stop // bm)), slice(cols.start // bn, -(-cols.stop // bn))))
+        grid = (slice(rows.start // bm, -(-rows.stop // bm)),
+                slice(cols.start // bn, -(-cols.stop // bn)))
+        scale = self.ckpt.read(self.weights[name], lead + grid)
         data = dequantize(weight, scale, self.block, self.dtype)
         box = data[..., r0 - rows.start: r1 - rows.start, c0 - cols.start: c1 - cols.start]
         return box if box.shape == data.shape else box.contiguous()

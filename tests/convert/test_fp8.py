@@ -1,4 +1,5 @@
-"""Fine-grained FP8 dequantisation (convert/fp8.py) against transformers 5.24's own code, bit for bit.
+"""Fine-grained FP8 dequantisation (convert/fp8.py) against transformers 5.24's own code, bit for
+bit.
 
 The FP8 tensors and scales are made here: every float8_e4m3fn bit pattern (NaNs, zeros of both
 signs, subnormals, +-448), scales spread over many binades. Where M and N are multiples of the
@@ -96,7 +97,8 @@ def test_a_box_reads_only_its_blocks_and_equals_the_whole(tmp_path):
     ckpt = HFCheckpoint(str(tmp_path))
     view = fp8.FP8Checkpoint(ckpt, {"w.weight": "w.weight_scale_inv"}, block, torch.bfloat16)
     assert set(view.tensors) == {"w.weight", "n.weight"}
-    assert view.tensors["w.weight"].dtype == torch.bfloat16 and view.tensors["w.weight"].shape == shape
+    info = view.tensors["w.weight"]
+    assert info.dtype == torch.bfloat16 and info.shape == shape
     whole = _theirs_edge(q, s, block, torch.bfloat16)
     assert torch.equal(_bits(view.read("w.weight")), _bits(whole))
     for rows, cols in [(slice(5, 290), slice(130, 131)), (slice(128, 256), slice(0, 260)),
@@ -135,7 +137,8 @@ def test_unsupported_configs_are_refused_naming_the_field(change, message):
 def test_formats_read():
     assert fp8.read_format({}, "c") is None
     assert fp8.read_format({"quantization_config": {"quant_method": "mxfp4"}}, "c") is None
-    assert fp8.read_format({"quantization_config": {"quant_method": "fp8"}}, "c").block == (128, 128)
+    default = {"quantization_config": {"quant_method": "fp8"}}
+    assert fp8.read_format(default, "c").block == (128, 128)
     ue8m0 = {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [64, 32]}
     assert fp8.read_format({"quantization_config": ue8m0}, "c").block == (64, 32)
     cfg = {"hidden_size": 8, "quantization_config": ue8m0}
@@ -266,9 +269,10 @@ def test_fp8_folder_converts_to_the_checkpoint_of_its_dequantised_copy(fp8_mixtr
     assert "quantization_config" not in json.load(open(os.path.join(out["back"], "config.json")))
 
 
-def test_open_hf_refuses_a_missing_scale_naming_it(fp8_mixtral, tmp_path):
+def test_a_bad_fp8_folder_is_refused_before_any_work(fp8_mixtral, tmp_path, capsys):
     import shutil
 
+    from megatron_lora.cli import main
     from megatron_lora.convert.hf_to_mcore import open_hf
 
     bad = str(tmp_path / "bad")
@@ -278,8 +282,18 @@ def test_open_hf_refuses_a_missing_scale_naming_it(fp8_mixtral, tmp_path):
     shard = os.path.join(bad, index["weight_map"].pop(name))
     save_file({k: v for k, v in load_file(shard).items() if k != name}, shard)
     json.dump(index, open(os.path.join(bad, "model.safetensors.index.json"), "w"))
-    with pytest.raises(ConversionError, match=f"'{name[:-len('_scale_inv')]}' is float8_e4m3fn "
-                                              f"but '{name}' is missing"):
+    message = f"'{name[:-len('_scale_inv')]}' is float8_e4m3fn but '{name}' is missing"
+    with pytest.raises(ConversionError, match=message):
+        open_hf(bad)
+    out = str(tmp_path / "out")
+    assert main(["convert", "hf-to-mcore", "--hf-dir", bad, "--save", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and not os.path.exists(out), err
+    config = json.load(open(os.path.join(fp8_mixtral["fp8"], "config.json")))
+    config["quantization_config"]["activation_scheme"] = "static"
+    json.dump(config, open(os.path.join(bad, "config.json"), "w"))
+    with pytest.raises(ConversionError, match=r"bad/config.json: quantization_config "
+                                              r"activation_scheme='static' \(only 'dynamic'"):
         open_hf(bad)
 
 

@@ -29,7 +29,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
            "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-           "U8": torch.uint8}  # U8: MXFP4 blocks and E8M0 scales (convert/mxfp4.py)
+           "U8": torch.uint8,  # U8: MXFP4 blocks and E8M0 scales (convert/mxfp4.py)
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # convert/fp8.py
 
 
 @dataclass(frozen=True)

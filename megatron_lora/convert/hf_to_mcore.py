@@ -4,12 +4,14 @@
 
 Everything that can be wrong with the input is checked before the output directory is created
 (`open_hf`): config.json, index, shard files and headers, every tensor's presence, shape and dtype
-against config.json. Then each megatron chunk is read from its HF tensor(s), written and dropped.
+against config.json. Then each megatron chunk is read from its HF tensor(s), written and dropped;
+fine-grained FP8 tensors are dequantised as they are read (convert/fp8.py).
 The output directory appears (by rename) only when complete. Besides the torch_dist files it holds
-`hf_config.json` (the source config.json), `megatron_lora.json` (vocabulary sizes, dtype), the
-tokenizer/generation files of the source under `hf_files/`, and the tensors of layers the model
-does not build (multi-token prediction) in `hf_carried.safetensors` (convert/carried.py), so
-mcore-to-hf can rebuild a complete HF directory.
+`hf_config.json` (the source config.json, less a quantization_config whose weights were
+dequantised: FP8, MXFP4), `megatron_lora.json` (vocabulary sizes, dtype), the tokenizer/generation
+files of the source under `hf_files/`, and the tensors of layers the model does not build
+(multi-token prediction) in `hf_carried.safetensors` (convert/carried.py), so mcore-to-hf can
+rebuild a complete HF directory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Tuple
 
 import torch
 
+from megatron_lora.convert import fp8
 from megatron_lora.convert.atomic import atomic_directory
 from megatron_lora.convert.carried import unbuilt_tensors, write_carried
 from megatron_lora.convert.dcp_write import write_torch_dist
@@ -50,11 +53,16 @@ _PASSTHROUGH = ("generation_config.json", "special_tokens_map.json", "added_toke
 def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
     """Read and check an HF model directory: (model info, safetensors reader, weights dtype).
 
+    A fine-grained FP8 checkpoint (quantization_config quant_method 'fp8') gives a reader whose
+    FP8 tensors read dequantised in the dtype of its other weights (convert/fp8.py).
     Raises ConversionError / ModelConfigError naming the file, tensor or config field."""
     info = read_hf_config(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     for name in _PASSTHROUGH:  # copied by hf_to_mcore: only from inside the folder
         folder_file(hf_dir, name, ConversionError)
+    config = os.path.join(hf_dir, "config.json")
+    block_fp8 = fp8.read_format(info.hf_config, config)
+    quantized = fp8.quantized_weights(ckpt, block_fp8, config)
     expected = hf_shapes(info)
     packed = _mxfp4_pairs(hf_dir, ckpt, expected) if info.family.fused_experts else set()
     for name, shape in expected.items():
@@ -70,6 +78,7 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
             )
     ignored = IGNORED_HF_SUFFIXES + (("lm_head.weight",) if info.shape.tie_embeddings else ())
     pair_names = {f"{n}_{part}" for n in packed for part in ("blocks", "scales")}
+    pair_names |= set(quantized.values())
     skipped = set(unbuilt_tensors(hf_dir, info, ckpt, say=_first_rank()))
     extra = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith(ignored)
                    and n not in pair_names and n not in skipped)
@@ -78,11 +87,14 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
             f"{hf_dir}: tensors not part of the model as config.json describes it: "
             f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
         )
-    dtypes = {ckpt.tensors[n].dtype for n in expected
-              if n not in packed and not n.endswith(OWN_DTYPE_SUFFIXES)}
-    if len(dtypes) != 1:
+    dtypes = {ckpt.tensors[n].dtype for n in expected if n not in packed
+              and n not in quantized and not n.endswith(OWN_DTYPE_SUFFIXES)}
+    if len(dtypes) > 1 or (not dtypes and not quantized):
         raise ConversionError(f"{hf_dir}: tensors have mixed dtypes {sorted(map(str, dtypes))}")
-    return info, ckpt, dtypes.pop()
+    dtype = dtypes.pop() if dtypes else torch.bfloat16  # all FP8: transformers' default
+    if quantized:
+        ckpt = fp8.FP8Checkpoint(ckpt, quantized, block_fp8.block, dtype)
+    return info, ckpt, dtype
 
 
 def _own_dtype(t, ckpt: HFCheckpoint):
@@ -148,7 +160,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bo
 
 def write_sidecar(directory: str, info: ModelInfo, dtype: torch.dtype) -> None:
     with open(os.path.join(directory, HF_CONFIG), "w") as f:
-        json.dump(info.hf_config, f, indent=2)
+        json.dump(fp8.dequantised_config(info.hf_config), f, indent=2)
     with open(os.path.join(directory, SIDECAR), "w") as f:
         json.dump({"format": info.family.checkpoint_format, "version": 1, "vocab_size": info.vocab_size,
                    "padded_vocab_size": info.shape.vocab_size,

@@ -23,6 +23,7 @@ from megatron_lora.convert.atomic import atomic_directory
 from megatron_lora.convert.carried import copy_carried, read_carried
 from megatron_lora.convert.dcp_read import TorchDistCheckpoint
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.fp8 import dequantised_config
 from megatron_lora.convert.hf_to_mcore import HF_FILES, read_mcore_info
 from megatron_lora.convert.mapping import Chunk, McoreTensor, Zeros, mcore_tensors
 from megatron_lora.convert.outputs import prepare_output_dir
@@ -103,7 +104,7 @@ def mcore_to_hf(load: str, save: str, *, hf_config: str = None,
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(info.hf_config, f, indent=2)
+            json.dump(dequantised_config(info.hf_config), f, indent=2)  # the weights are not
         kept = os.path.join(load, HF_FILES)
         if os.path.isdir(kept):
             for name in sorted(os.listdir(kept)):

@@ -72,7 +72,8 @@ def _run_page(page: str, folder) -> subprocess.CompletedProcess:
 OUTPUTS = {
     "docs/conversion.md": ["mixtral-mcore/metadata.json", "logits.safetensors",
                            "logits-hf.safetensors", "Mixtral-out/config.json",
-                           "Mixtral-out/tokenizer.json"],
+                           "Mixtral-out/tokenizer.json", "fp8-mcore/metadata.json",
+                           "fp8-out/config.json"],
     "docs/peft.md": ["runs/lora/latest_checkpointed_iteration.txt", "my-adapter/adapter_config.json",
                      "Mixtral-merged/config.json", "logits.safetensors", "completions.jsonl",
                      "imported/metadata.json"],
@@ -115,6 +116,10 @@ def test_docs_page_commands_run_as_written(page, page_runs):
         # the two logits commands (mcore at TP2xEP2+SP, HF folder at PP2) agree
         (diff,) = re.findall(r"largest difference: (\S+)", done.stdout)
         assert float(diff) < 1e-4, done.stdout
+        # the FP8 copy: converted and read directly agree; exported without quantization_config
+        (diff,) = re.findall(r"FP8 folder, converted vs --load-hf at TP2: (\S+)", done.stdout)
+        assert float(diff) < 1e-4, done.stdout
+        assert "quantization_config in fp8-out/config.json: False" in done.stdout, done.stdout
     if page == "docs/peft.md":
         assert re.search(r"PeftModel\w* with [1-9]\d* LoRA parameters", done.stdout), done.stdout
         (line,) = open(tmp_path / "completions.jsonl").read().splitlines()

@@ -237,7 +237,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                 a, b = ckpt.factors(site)
                 m = ckpt.magnitude(site) if dora else None
                 if fused and site.kind.name in peft_fused.ROUTED:
-                    layer_factors.append((a, b))
+                    layer_factors.append((a, peft_fused.hf_b(site, b)))
                     if len(layer_factors) == info.shape.num_experts:  # the layer's last expert
                         for key, t in zip(peft_fused.keys(names, site.index[0], site.kind.name,
                                                           kinds),

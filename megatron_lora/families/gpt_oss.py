@@ -79,6 +79,9 @@ GPT_OSS = Family(
     ffn_field="intermediate_size",
     transformers_module="transformers.models.gpt_oss.modeling_gpt_oss",
     fused_experts=True,
+    # PEFT (0.21) adapts the router and the fused experts only as target_parameters
+    # (`mlp.router.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+    peft_fused_experts=True,
     refuses=("scaled RoPE (YaRN: rope_parameters.rope_type 'yarn', the published models)",
              "attention_bias false", "layer_types other than sliding_attention / full_attention",
              "attention_dropout > 0", "tie_word_embeddings true"),

@@ -92,14 +92,16 @@ def megatron_b(site, b: torch.Tensor) -> torch.Tensor:
     return source.megatron_rows(b) if isinstance(source, OneExpert) else b
 
 
-def check_uniform(values: Dict[str, Tuple[int, float]], modules, what: str) -> Tuple[int, float]:
-    """The one (r, alpha) every routed expert module has; ValueError naming them otherwise."""
+def check_uniform(values: Dict[str, Tuple[int, float]], modules, what: str,
+                  source: str) -> Tuple[int, float]:
+    """The one (r, alpha) every module of `modules` has; ConversionError naming the adapter
+    `source` and the flags otherwise."""
     found = {values[m] for m in modules}
     if len(found) != 1:
-        raise ValueError(f"the routed experts' adapters have different (rank, alpha) {sorted(found)}"
-                         f" (--lora-rank-pattern / --lora-alpha-pattern): PEFT's fused {what} "
-                         f"takes one rank and alpha for all experts; export the merged model "
-                         f"instead (megatron-lora export hf --merge)")
+        raise ConversionError(
+            f"{source}: the {what} adapters have different (rank, alpha) {sorted(found)} "
+            f"(--lora-rank-pattern / --lora-alpha-pattern): PEFT takes them with one rank and "
+            f"alpha; export the merged model instead (megatron-lora export hf --merge)")
     return found.pop()
 
 

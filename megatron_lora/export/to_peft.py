@@ -198,7 +198,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
         # the fused experts, which would drop the dense layers' adapters: their weights are
         # named as target_parameters instead (lora.ParamWrapper on the nn.Linear weight, the
         # same update and keys), all at the adapter's default (r, alpha).
-        if peft_fused.check_uniform(values, sorted(dense), "dense-layer MLP") != default:
+        if peft_fused.check_uniform(values, sorted(dense), "dense-layer MLP", adapter) != default:
             raise ConversionError(f"{adapter}: the dense layers' MLP adapters have another "
                                   f"(rank, alpha) than the adapter's default; PEFT takes them "
                                   f"as target_parameters with the global r and lora_alpha")
@@ -206,8 +206,8 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                             key=lambda t: order.index(t.split(".")[-2]))
     if fused:  # router and routed experts: target_parameters, one (r, alpha) for all experts
         routed = [m for s in plan if s.kind.name in peft_fused.ROUTED for m in s.modules()]
-        if routed and peft_fused.check_uniform(values, routed, "gate_up_proj / down_proj") \
-                != default:
+        if routed and peft_fused.check_uniform(values, routed, "routed experts'",
+                                               adapter) != default:
             raise ConversionError(f"{adapter}: the routed experts' (rank, alpha) differ from the "
                                   f"adapter's default; PEFT's fused experts take the global r and "
                                   f"lora_alpha")

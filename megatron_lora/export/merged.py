@@ -22,6 +22,7 @@ from typing import Tuple
 import torch
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.fused_experts import FusedExperts
 from megatron_lora.convert.hf_to_mcore import read_mcore_info
 from megatron_lora.convert.layer_keys import stacked_key
 from megatron_lora.convert.mcore_to_hf import DEFAULT_SHARD_BYTES, mcore_to_hf
@@ -52,7 +53,7 @@ class _Merger:
         kind = self.by_base.get(key)
         if kind is None:
             return box
-        if kind.lead == 2 and chunk.sizes[1] > 1:  # a layer's fused experts [E, out, in]
+        if isinstance(chunk.source, FusedExperts):  # a layer's experts, [E, out, in]
             return torch.stack([self._merge(kind, (offsets[0], offsets[1] + e), 0, one)
                                 for e, one in enumerate(box)])
         return self._merge(kind, offsets[:kind.lead], offsets[kind.lead], box)

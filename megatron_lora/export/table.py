@@ -36,10 +36,10 @@ names without `.weight` (`model.layers.l.self_attn.q_proj`, `...block_sparse_moe
 `...block_sparse_moe.gate`, `model.embed_tokens`, `lm_head`). A fused megatron adapter is one A
 shared by its parts, B split by rows: linear_qkv -> q/k/v (per query group interleave),
 linear_fc1 -> w1 (rows 0..f), w3 (rows f..2f). Padded vocabulary rows/columns (V..Vp) are dropped
-on export and zero on import. Experts a checkpoint fuses per layer (GPT-OSS' `mlp.experts.
-gate_up_proj`) have one site per expert all the same, its one part a `convert.fused_experts.
-OneExpert` named `...mlp.experts.{e}.gate_up_proj` (not a transformers module: PEFT's adapter
-is the layer's fused parameter, export/peft_fused.py).
+on export and zero on import. Experts a checkpoint fuses per layer (GPT-OSS:
+`mlp.experts.gate_up_proj`) still have one site per expert, its one part a
+`convert.fused_experts.OneExpert` named `...mlp.experts.{e}.gate_up_proj` (not a transformers
+module: PEFT's adapter is the layer's fused parameter, export/peft_fused.py).
 """
 
 from __future__ import annotations

@@ -270,6 +270,51 @@ def test_merged_export_is_the_adapted_model(trained, tmp_path):
     assert diff <= F.TOL, f"max abs diff {diff:.3e}"
 
 
+def test_peft_s_own_fused_adapter_imports_with_peft_s_updates(oss, tmp_path):
+    """An adapter PEFT makes itself on GptOssForCausalLM (random non-zero factors, rsLoRA) on
+    the router and both fused expert parameters: `import peft` gives every expert's fc1 / fc2
+    and every router the update PEFT's own ParamWrapper.get_delta_weight computes, [E, in, out]
+    transposed to megatron's [out, in] and gate_up_proj's interleaved columns taken as
+    [gate; up]."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import ParamWrapper
+
+    from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+    from megatron_lora.export.from_peft import import_peft
+    from megatron_lora.export.table import KIND_BY_NAME, sites
+    from megatron_lora.families import read_hf_config
+
+    torch.manual_seed(7)
+    model = get_peft_model(F.hf_model(oss["hf"]), LoraConfig(
+        r=2, lora_alpha=3, use_rslora=True, init_lora_weights=False, target_modules=[],
+        target_parameters=["mlp.router.weight", "mlp.experts.gate_up_proj",
+                           "mlp.experts.down_proj"]))
+    saved, back = str(tmp_path / "peft"), str(tmp_path / "back")
+    model.save_pretrained(saved)
+    import_peft(saved, back, hf_config=oss["hf"])
+    peft = {}  # (kind, layer) -> PEFT's update in megatron's [E, out, in] ([E, out] router)
+    for name, mod in model.named_modules():
+        if isinstance(mod, ParamWrapper):
+            delta = mod.get_delta_weight("default").detach().float()
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            if mod.parameter_name == "gate_up_proj":  # [E, h, 2f], columns gate, up, gate, ...
+                delta = torch.cat([delta[:, :, 0::2], delta[:, :, 1::2]], dim=2)
+            kind = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}.get(
+                mod.parameter_name, "router")
+            peft[(kind, layer)] = delta if kind == "router" else delta.transpose(1, 2)
+    info = read_hf_config(oss["hf"])
+    ckpt = AdapterCheckpoint(back, info)
+    assert sorted(k.name for k in ckpt.kinds()) == ["linear_fc1", "linear_fc2", "router"]
+    for kind in ("router", "linear_fc1", "linear_fc2"):
+        for site in sites(info, KIND_BY_NAME[kind]):
+            a, b = ckpt.factors(site)
+            ours = ckpt.scaling(site)[2] * (b.float() @ a.float())
+            want = peft[(kind, site.index[0])]
+            want = want if kind == "router" else want[site.index[1]]
+            assert want.abs().max() > 0.1  # non-zero factors
+            torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6, msg=site.name)
+
+
 def test_what_peft_cannot_express_is_refused_naming_the_flag(oss, tmp_path):
     """PEFT's fused experts take one r and lora_alpha: an adapter whose experts differ (here
     expert 1's alpha, --lora-alpha-pattern) is refused before anything is written; a family

@@ -11,7 +11,8 @@ within 1e-4 of transformers' at 1 rank, PP2xEP2 (grouped experts) and TP2xEP2+SP
 megatron's DotProductAttention and with SDPAttention. LoRA on every linear kind (attention,
 router, the fused experts' fc1/fc2, embedding, output layer) trained at PP2xEP2 (ETP1) as at one
 rank, exported to PEFT with target_parameters on the router and the fused experts (logits of
-transformers + PEFT), imported bit for bit, generated with, and merged into the fused experts.
+transformers + PEFT), imported bit for bit, generated with, and merged into the fused experts;
+an adapter PEFT makes itself on those parameters imports with PEFT's own updates.
 """
 
 import json

@@ -11,6 +11,11 @@ layer on hf-to-mcore), and `split` writes transformers' layout back.
 MXFP4 checkpoints store `gate_up_proj` / `down_proj` as `*_blocks` / `*_scales`; a weight source
 reads them one expert at a time through convert/mxfp4.py (in the dtype of the checkpoint's other
 tensors), the rows already in megatron's [out, in] orientation.
+
+An adapter sits on one expert of such a tensor: `OneExpert` is expert e's [out, in] rows as the
+adapter table (export/table.py) sees them, named as a per-expert module
+`{layer}mlp.experts.{e}.gate_up_proj` that transformers does not have (PEFT adapts the layer's
+fused parameter, export/peft_fused.py), with the row order of transformers' out axis.
 """
 
 from __future__ import annotations
@@ -79,8 +84,35 @@ class FusedExperts:
         return {self.name: t.contiguous()}
 
 
+class OneExpert:
+    """Expert `e` of a layer's fused expert weight `fused` (a FusedExperts with weight=True):
+    megatron's [out, in] rows of that expert. `name` is a per-expert pseudo module weight
+    (`model.layers.3.mlp.experts.1.gate_up_proj.weight`), one per expert so that each expert's
+    adapter has its own name; `hf_rows` / `megatron_rows` reorder a [out, k] tensor (an adapter's
+    B) between megatron's rows ([gate; up]) and transformers' out axis (interleaved)."""
+
+    def __init__(self, fused: FusedExperts, e: int):
+        if not fused.weight:
+            raise ValueError(f"{fused.name}: a bias has no per-expert adapter rows")
+        self.fused, self.expert = fused, e
+        prefix, param = fused.name.rsplit(".", 1)
+        self.name = f"{prefix}.{e}.{param}.weight"
+        self.shape = tuple(fused.shape[1:])  # megatron [out, in]
+
+    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {self.name: self.shape}
+
+    def hf_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[out, k] in megatron's row order -> transformers' (gate and up interleaved)."""
+        return _interleave(t, 0) if self.fused.gate_up else t
+
+    def megatron_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of hf_rows."""
+        return _gate_up_rows(t, 0) if self.fused.gate_up else t
+
+
 def mxfp4_names(name: str) -> Tuple[str, str]:
     return f"{name}_blocks", f"{name}_scales"
 
 
-__all__ = ["FusedExperts", "mxfp4_names"]
+__all__ = ["FusedExperts", "OneExpert", "mxfp4_names"]

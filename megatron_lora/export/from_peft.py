@@ -49,7 +49,7 @@ import torch
 
 from megatron_lora.convert.outputs import prepare_output_dir
 from megatron_lora.convert.errors import ConversionError
-from megatron_lora.export.peft_fused import refuse_fused_experts
+from megatron_lora.export.peft_fused import megatron_b, refuse_fused_experts
 from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
 from megatron_lora.export.peft_config import PeftPrefix, alpha_for, read_adapter_config
 from megatron_lora.export.peft_file import PeftAdapterFile
@@ -93,7 +93,7 @@ def _pieces(pf: PeftAdapterFile, site: Site) -> List[Piece]:
         def load(f=f, e=expert):
             a, b = pf.read(f.a_key), pf.read(f.b_key)
             return (a.reshape(E, f.rank, a.shape[1])[e].clone(),
-                    b.reshape(b.shape[0], f.rank, E)[:, :, e].contiguous())
+                    megatron_b(site, b.reshape(b.shape[0], f.rank, E)[:, :, e]).contiguous())
 
         return [Piece(f.b_key.rsplit(".lora_B", 1)[0] + f"[expert {expert}]", f.rank, f.scale, load)]
     out = []

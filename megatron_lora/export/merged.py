@@ -7,10 +7,12 @@ box read from the base checkpoint at whatever layout it was saved, split into HF
 appended to the current shard. A box of a weight that carries an adapter gets, before the split,
 W + scale * B[rows] A (the rows of B that box covers; the embedding: rows of (scale * B A)^T),
 computed in fp32 and cast back to the base dtype. One box and one adapter's factors are in memory
-at a time. Tied embeddings with an embedding or output-layer adapter are refused (merging one
-would change the other), and so are prefix-tuning adapters (no weight to merge into; `export
-peft`). DoRA adapters (use_dora): each row of W + scale * B A is then scaled by
-m / ||that row|| (lora/dora.py; a box holds whole rows, so the norms are the box's own).
+at a time; a layer's fused experts (GPT-OSS: one box [E, 2f, h] for `gate_up_proj`) get each
+expert's update in megatron's rows before the split interleaves them. Tied embeddings with an
+embedding or output-layer adapter are refused (merging one would change the other), and so are
+prefix-tuning adapters (no weight to merge into; `export peft`). DoRA adapters (use_dora): each
+row of W + scale * B A is then scaled by m / ||that row|| (lora/dora.py; a box holds whole rows,
+so the norms are the box's own).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Tuple
 import torch
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.fused_experts import FusedExperts
 from megatron_lora.convert.hf_to_mcore import read_mcore_info
 from megatron_lora.convert.layer_keys import stacked_key
 from megatron_lora.convert.mcore_to_hf import DEFAULT_SHARD_BYTES, mcore_to_hf
@@ -50,9 +53,15 @@ class _Merger:
         kind = self.by_base.get(key)
         if kind is None:
             return box
-        site = self.sites[(kind.name, offsets[:kind.lead])]
-        a, b, scale, m = self._factors(site)
-        row0, rows = offsets[kind.lead], chunk.source.shape[0]
+        if isinstance(chunk.source, FusedExperts):  # a layer's experts, [E, out, in]
+            return torch.stack([self._merge(kind, (offsets[0], offsets[1] + e), 0, one)
+                                for e, one in enumerate(box)])
+        return self._merge(kind, offsets[:kind.lead], offsets[kind.lead], box)
+
+    def _merge(self, kind, index, row0: int, box: torch.Tensor) -> torch.Tensor:
+        """box (rows row0.. of the weight of `kind`'s adapter at `index`) + its update."""
+        a, b, scale, m = self._factors(self.sites[(kind.name, tuple(index))])
+        rows = box.shape[0]
         if kind.name == "embedding":  # rows of (B A)^T: [rows, h]
             delta = (b @ a[:, row0:row0 + rows]).t()
         else:
@@ -83,13 +92,6 @@ def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = Non
             f"{list(merger.adapter.config.trainable_token_indices)}); the merged export does not "
             f"write them (it keeps the base vocabulary). Export it with `export peft` (PEFT's "
             f"trainable_token_indices) instead")
-    experts = sorted({k.name for k in merger.adapter.kinds()
-                      if k.target_kind in ("linear_fc1", "linear_fc2")})
-    if info.family.fused_experts and experts:
-        raise ConversionError(
-            f"{adapter}: merging expert adapters ({', '.join(experts)}) into "
-            f"{info.family.base_model_class}'s fused experts is not supported yet; adapters on "
-            f"attention, the router, the embedding and the output layer merge")
     if info.shape.tie_embeddings and {"embedding", "output_layer"} & set(merger.adapter.ranks):
         raise ConversionError(f"{adapter}: an embedding or output-layer adapter cannot be merged "
                               f"into a model with tied embeddings")

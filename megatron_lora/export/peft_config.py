@@ -280,7 +280,7 @@ def inference_dropout(lora_dropout: float, target_modules: List[str],
     Dropout is a training-time setting: PEFT applies it only in train mode, so inference (and
     merging) computes the same update with any value. 0 where PEFT's ParamWrapper requires it
     (parameter_modules targeted: the family's HFNames.parameter_modules), else the trained value."""
-    wrapped = [m for m in target_modules if m in parameter_modules]
+    wrapped = list(dict.fromkeys(m for m in target_modules if m in parameter_modules))
     if not lora_dropout or not wrapped:
         return lora_dropout, []
     return 0.0, [

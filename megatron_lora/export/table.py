@@ -36,7 +36,10 @@ names without `.weight` (`model.layers.l.self_attn.q_proj`, `...block_sparse_moe
 `...block_sparse_moe.gate`, `model.embed_tokens`, `lm_head`). A fused megatron adapter is one A
 shared by its parts, B split by rows: linear_qkv -> q/k/v (per query group interleave),
 linear_fc1 -> w1 (rows 0..f), w3 (rows f..2f). Padded vocabulary rows/columns (V..Vp) are dropped
-on export and zero on import.
+on export and zero on import. Experts a checkpoint fuses per layer (GPT-OSS:
+`mlp.experts.gate_up_proj`) still have one site per expert, its one part a
+`convert.fused_experts.OneExpert` named `...mlp.experts.{e}.gate_up_proj` (not a transformers
+module: PEFT's adapter is the layer's fused parameter, export/peft_fused.py).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron_lora.convert.fused_experts import FusedExperts, OneExpert
 from megatron_lora.convert.mapping import QKV, Direct, Zeros, mcore_tensors
 from megatron_lora.families import ModelInfo
 
@@ -192,6 +196,11 @@ def sites(info: ModelInfo, kind: Kind) -> List[Site]:
     base = {t.key: t for t in mcore_tensors(info, stacked=True)}[kind.base_key]
     groups: Dict[Tuple[int, ...], List[Part]] = {}
     for c in base.chunks:
+        if isinstance(c.source, FusedExperts):  # a layer's experts in one chunk: one site each
+            for e in range(c.sizes[1]):
+                one = OneExpert(c.source, e)
+                groups[(c.offsets[0], c.offsets[1] + e)] = [Part(0, one.shape[0], one)]
+            continue
         lead = tuple(c.offsets[: kind.lead])
         rows = c.sizes[kind.lead] if isinstance(c.source, Zeros) else c.source.shape[0]
         groups.setdefault(lead, []).append(Part(c.offsets[kind.lead], rows, c.source))
@@ -231,7 +240,10 @@ def _with_columns(source, r: int):
         return QKV(*source.names, source.qpg * source.groups, source.groups, source.d, r)
     if isinstance(source, Direct):
         return Direct(source.name, (source.shape[0], r))
-    return Zeros((source.shape[0], r), torch.float32)
+    if isinstance(source, Zeros):
+        return Zeros((source.shape[0], r), torch.float32)
+    # OneExpert: a fused parameter's adapter is PEFT's one pair a layer (export/peft_fused.py)
+    raise TypeError(f"{type(source).__name__} rows are not split per HF module")
 
 
 def split_rows(part: Part, b_rows: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -196,7 +196,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
         # adapters: their weights are named as target_parameters instead (lora.ParamWrapper on
         # the nn.Linear weight, the same update and keys), all at the adapter's default (r, alpha).
         if peft_fused.check_uniform(values, sorted(dense | shared),
-                                    "dense-layer / shared-expert MLP") != default:
+                                    "dense-layer / shared-expert MLP", adapter) != default:
             raise ConversionError(f"{adapter}: the dense layers' or shared expert's MLP adapters "
                                   f"have another (rank, alpha) than the adapter's default; PEFT "
                                   f"takes them as target_parameters with the global r and "
@@ -206,8 +206,8 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                             key=lambda t: (t.count("."), order.index(t.split(".")[-2])))
     if fused:  # router and routed experts: target_parameters, one (r, alpha) for all experts
         routed = [m for s in plan if s.kind.name in peft_fused.ROUTED for m in s.modules()]
-        if routed and peft_fused.check_uniform(values, routed, "gate_up_proj / down_proj") \
-                != default:
+        if routed and peft_fused.check_uniform(values, routed, "routed experts'",
+                                               adapter) != default:
             raise ConversionError(f"{adapter}: the routed experts' (rank, alpha) differ from the "
                                   f"adapter's default; PEFT's fused experts take the global r and "
                                   f"lora_alpha")
@@ -237,7 +237,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
                 a, b = ckpt.factors(site)
                 m = ckpt.magnitude(site) if dora else None
                 if fused and site.kind.name in peft_fused.ROUTED:
-                    layer_factors.append((a, b))
+                    layer_factors.append((a, peft_fused.hf_b(site, b)))
                     if len(layer_factors) == info.shape.num_experts:  # the layer's last expert
                         for key, t in zip(peft_fused.keys(names, site.index[0], site.kind.name,
                                                           kinds),

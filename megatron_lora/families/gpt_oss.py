@@ -85,6 +85,9 @@ GPT_OSS = Family(
     ffn_field="intermediate_size",
     transformers_module="transformers.models.gpt_oss.modeling_gpt_oss",
     fused_experts=True,
+    # PEFT (0.21) adapts the router and the fused experts only as target_parameters
+    # (`mlp.router.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+    peft_fused_experts=True,
     refuses=("scaled RoPE other than YaRN (linear, dynamic, llama3, longrope)",
              "YaRN with attention_factor, partial_rotary_factor != 1 or unknown fields",
              "attention_bias false", "layer_types other than sliding_attention / full_attention",

@@ -123,18 +123,21 @@ def text_data(path: str) -> str:
 PP2_EP2 = ("run4", ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4)
 TP2_EP2_SP = ("run_tp", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                          "--sequence-parallel"], 4)
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")  # logits, generate
 
 
 def train_and_export(paths: dict, hf: str, targets, extra=(),
-                     layouts=(PP2_EP2,)) -> dict:
+                     layouts=(PP2_EP2,), infer=TP2_SP) -> dict:
     """The same LoRA run (3 steps, dropout 0.1, rsLoRA) at 1 rank (`run1`) and at each of
     `layouts` (PP2xEP2: `run4`); the PEFT export (`peft`) of the first layout's run (`exported`)
-    and `logits --adapter` of it at TP2+SP (`logits`)."""
+    and `logits --adapter` of it on 2 ranks with the flags `infer` (TP2+SP; `logits`), which
+    check_generate uses too."""
     from megatron_lora.export.to_peft import export_peft
     from tests.data.tiny_tokenizers import mistral_folder
 
     root = paths["root"]
-    out = dict(paths, hf=hf, tok=mistral_folder(os.path.join(root, "tok"), vocab_size=VOCAB))
+    out = dict(paths, hf=hf, tok=mistral_folder(os.path.join(root, "tok"), vocab_size=VOCAB),
+               infer=list(infer))
     data = text_data(os.path.join(root, "text.jsonl"))
     args = ["train", "--load-hf", hf, "--tokenizer", out["tok"], "--data-path", data,
             "--seq-length", "16", "--global-batch-size", "4", "--train-iters", "3", "--lr", "2e-2",
@@ -148,7 +151,7 @@ def train_and_export(paths: dict, hf: str, targets, extra=(),
     export_peft(out["exported"], out["peft"], hf_config=hf)
     out["logits"] = os.path.join(root, "logits.safetensors")
     run("logits", "--load-hf", hf, "--adapter", out["exported"], "--tokens", paths["tokens"], "--out",
-        out["logits"], "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2)
+        out["logits"], *infer, nproc=2)
     return out
 
 
@@ -227,14 +230,14 @@ def _peft_greedy(trained: dict):
 
 
 def check_generate(trained: dict, tmp: str) -> None:
-    """Greedy `generate --adapter` at TP2+SP gives the tokens of a greedy loop over transformers
-    + PEFT forwards."""
+    """Greedy `generate --adapter` at TP2+SP (train_and_export's `infer` flags) gives the tokens
+    of a greedy loop over transformers + PEFT forwards."""
     prompts, out = os.path.join(tmp, "prompts.jsonl"), os.path.join(tmp, "out.jsonl")
     with open(prompts, "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in PROMPTS)
     run("generate", "--load-hf", trained["hf"], "--adapter", trained["exported"], "--tokenizer",
         trained["tok"], "--prompts", prompts, "--out", out, "--max-new-tokens", str(NEW_TOKENS),
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", nproc=2)
+        *trained["infer"], nproc=2)
     rows = [json.loads(line) for line in open(out)]
     assert [r["token_ids"] for r in rows] == _peft_greedy(trained)
 

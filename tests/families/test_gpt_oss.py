@@ -13,6 +13,11 @@ within 1e-4 of transformers' at 1 rank, PP2xEP2 (grouped experts) and TP2xEP2+SP
 megatron's DotProductAttention and with SDPAttention, and at each of these layouts the logits
 of a KV-cache decode (a 5-token prefill, then one token per step, positions 5-11 rotated past
 the prompt and the window) as `generate` makes them; greedy `generate` at TP2+SP.
+LoRA on every linear kind (attention, router, the fused experts' fc1/fc2, embedding, output
+layer) trained at PP2xEP2 (ETP1) as at one rank, exported to PEFT with target_parameters on the
+router and the fused experts (logits of transformers + PEFT), imported bit for bit, generated
+with, and merged into the fused experts; an adapter PEFT makes itself on those parameters
+imports with PEFT's own updates.
 """
 
 import json
@@ -254,20 +259,150 @@ def test_logits_match_transformers(layout, grouped, world_size, oss):
     _logits(layout=layout, grouped=grouped, world_size=world_size, paths=oss)
 
 
-def test_peft_files_are_refused_before_any_work(oss, tmp_path):
-    from megatron_lora.convert.errors import ConversionError
-    from megatron_lora.export.from_peft import import_peft
+# ---- LoRA: training, PEFT (target_parameters on the fused experts), merged export ----
+
+TARGETS = ["linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2", "embedding",
+           "output_layer"]
+ETP1 = ["--expert-tensor-parallel-size", "1"]  # biased experts
+
+
+@pytest.fixture(scope="module")
+def trained(oss):
+    layout = (F.PP2_EP2[0], F.PP2_EP2[1] + ETP1, F.PP2_EP2[2])
+    return F.train_and_export(oss, oss["hf"], TARGETS, layouts=(layout,),
+                              infer=F.TP2_SP + tuple(ETP1))
+
+
+def test_training_at_pp2_ep2_is_the_one_rank_run(trained):
+    adapter = F.check_training_parity(trained, "run4")
+    experts = "decoder.layers.mlp.experts.experts."
+    assert tuple(adapter[experts + "linear_fc1.lora_B"].shape) == (4, 4, 64, 4)  # [L, E, 2f, r]
+    for key in (experts + "linear_fc1.lora_B", experts + "linear_fc2.lora_B",
+                "decoder.layers.mlp.router.lora.lora_B"):
+        assert adapter[key].abs().amax(dim=(-2, -1)).gt(0).all(), key  # every layer and expert
+
+
+def test_peft_export_loads_in_transformers_with_our_logits(trained, tmp_path):
+    """PEFT's lora.ParamWrapper on GptOssExperts' [E, in, out] parameters: lora_B's rows are
+    gate_up_proj's interleaved columns (written in megatron's [gate; up] order the logits were
+    off by 0.96)."""
     from megatron_lora.export.to_peft import export_peft
 
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    for call in (lambda: export_peft(str(adapter), str(tmp_path / "out"), hf_config=oss["hf"]),
-                 lambda: import_peft(str(adapter), str(tmp_path / "out"), hf_config=oss["hf"])):
-        with pytest.raises(ConversionError, match="PEFT adapters for GptOssForCausalLM "
-                                                  r"\(target_parameters on its fused experts\) "
-                                                  "are not supported yet"):
-            call()
-        assert not (tmp_path / "out").exists()
+    config = F.check_peft_logits(trained)
+    assert config["auto_mapping"]["base_model_class"] == "GptOssForCausalLM"
+    assert config["target_parameters"] == ["mlp.router.weight", "mlp.experts.gate_up_proj",
+                                           "mlp.experts.down_proj"]
+    assert sorted(config["target_modules"]) == sorted(
+        ["embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "lm_head"])
+    assert config["use_rslora"] is True and config["lora_dropout"] == 0.0
+    notes = []
+    export_peft(trained["exported"], str(tmp_path / "again"), hf_config=trained["hf"],
+                notes=notes)
+    (note,) = notes  # ParamWrapper takes no dropout: the training value is not written
+    assert note.startswith("lora_dropout=0.1 (the training setting) written as 0") and \
+        "keeps router, gate_up_proj, down_proj as fused parameters" in note, note
+
+
+def test_import_of_the_export_is_bit_identical(trained, tmp_path):
+    F.check_import_is_bit_identical(trained, str(tmp_path / "back"))
+
+
+def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
+    F.check_generate(trained, str(tmp_path))
+
+
+def test_merged_export_is_the_adapted_model(trained, tmp_path):
+    """export hf --merge adds each expert's update to the fused, interleaved gate_up_proj and
+    to down_proj ([E, in, out]): transformers' logits of the merged folder are those of
+    `logits --adapter`."""
+    from megatron_lora.export.merged import export_merged_hf
+
+    out = str(tmp_path / "merged")
+    export_merged_hf(trained["mcore"], trained["run4"], out, progress=False)
+    tokens = torch.tensor(json.load(open(trained["tokens"])))
+    diff = (F.hf_logits(out, tokens) - load_file(trained["logits"])["logits"]).abs().max().item()
+    assert diff <= F.TOL, f"max abs diff {diff:.3e}"
+
+
+def test_peft_s_own_fused_adapter_imports_with_peft_s_updates(oss, tmp_path):
+    """An adapter PEFT makes itself on GptOssForCausalLM (random non-zero factors, rsLoRA) on
+    the router and both fused expert parameters: `import peft` gives every expert's fc1 / fc2
+    and every router the update PEFT's own ParamWrapper.get_delta_weight computes, [E, in, out]
+    transposed to megatron's [out, in] and gate_up_proj's interleaved columns taken as
+    [gate; up]."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import ParamWrapper
+
+    from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
+    from megatron_lora.export.from_peft import import_peft
+    from megatron_lora.export.table import KIND_BY_NAME, sites
+    from megatron_lora.families import read_hf_config
+
+    torch.manual_seed(7)
+    model = get_peft_model(F.hf_model(oss["hf"]), LoraConfig(
+        r=2, lora_alpha=3, use_rslora=True, init_lora_weights=False, target_modules=[],
+        target_parameters=["mlp.router.weight", "mlp.experts.gate_up_proj",
+                           "mlp.experts.down_proj"]))
+    saved, back = str(tmp_path / "peft"), str(tmp_path / "back")
+    model.save_pretrained(saved)
+    import_peft(saved, back, hf_config=oss["hf"])
+    peft = {}  # (kind, layer) -> PEFT's update in megatron's [E, out, in] ([E, out] router)
+    for name, mod in model.named_modules():
+        if isinstance(mod, ParamWrapper):
+            delta = mod.get_delta_weight("default").detach().float()
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            if mod.parameter_name == "gate_up_proj":  # [E, h, 2f], columns gate, up, gate, ...
+                delta = torch.cat([delta[:, :, 0::2], delta[:, :, 1::2]], dim=2)
+            kind = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}.get(
+                mod.parameter_name, "router")
+            peft[(kind, layer)] = delta if kind == "router" else delta.transpose(1, 2)
+    info = read_hf_config(oss["hf"])
+    ckpt = AdapterCheckpoint(back, info)
+    assert sorted(k.name for k in ckpt.kinds()) == ["linear_fc1", "linear_fc2", "router"]
+    for kind in ("router", "linear_fc1", "linear_fc2"):
+        for site in sites(info, KIND_BY_NAME[kind]):
+            a, b = ckpt.factors(site)
+            ours = ckpt.scaling(site)[2] * (b.float() @ a.float())
+            want = peft[(kind, site.index[0])]
+            want = want if kind == "router" else want[site.index[1]]
+            assert want.abs().max() > 0.1  # non-zero factors
+            torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6, msg=site.name)
+
+
+def test_what_peft_cannot_express_is_refused_naming_the_flag(oss, tmp_path):
+    """PEFT's fused experts take one r and lora_alpha: an adapter whose experts differ (here
+    expert 1's alpha, --lora-alpha-pattern) is refused before anything is written; a family
+    with fused experts that PEFT does not take as target_parameters is refused too."""
+    import dataclasses
+
+    from megatron_lora.convert.errors import ConversionError
+    from megatron_lora.export.adapter_ckpt import write_adapter_checkpoint
+    from megatron_lora.export.peft_fused import refuse_fused_experts
+    from megatron_lora.export.table import KIND_BY_NAME, factor_shapes
+    from megatron_lora.export.to_peft import export_peft
+    from megatron_lora.families import read_hf_config
+    from megatron_lora.lora.model import LoraConfig
+
+    info = read_hf_config(oss["hf"])
+    config = LoraConfig(r=2, lora_alpha=4.0, target_modules=["linear_fc1"],
+                        alpha_pattern={r"experts\.1\.linear_fc1$": 8.0})
+    a_shape, b_shape = factor_shapes(info, KIND_BY_NAME["linear_fc1"], 2)
+    adapter = str(tmp_path / "adapter")
+    write_adapter_checkpoint(adapter, info, {"linear_fc1": 2},
+                             lambda site: (torch.ones(a_shape[2:]), torch.ones(b_shape[2:])),
+                             config, torch.float32)
+    with pytest.raises(ConversionError, match=rf"^{adapter}: the routed experts' adapters have "
+                       r"different \(rank, alpha\) \[\(2, 4.0\), \(2, 8.0\)\] "
+                       r"\(--lora-rank-pattern / --lora-alpha-pattern\)"):
+        export_peft(adapter, str(tmp_path / "out"), hf_config=oss["hf"])
+    assert not (tmp_path / "out").exists()
+
+    unfused = dataclasses.replace(info, family=dataclasses.replace(info.family,
+                                                                   peft_fused_experts=False))
+    with pytest.raises(ConversionError, match="PEFT adapters for GptOssForCausalLM \\(fused "
+                                              "experts without target_parameters\\)"):
+        refuse_fused_experts(unfused)
+    refuse_fused_experts(info)  # GPT-OSS: target_parameters
 
 
 def test_greedy_generate_past_the_window_is_transformers(oss, tmp_path):

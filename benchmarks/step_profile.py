@@ -72,12 +72,11 @@ def _part_of(module, parent_part):
 
 def instrument(model) -> list:
     """Forward pre/post hooks opening a record_function range per part; returns the handles."""
+    from megatron.core.transformer.attention import Attention
     from torch.autograd.profiler import record_function
 
     from megatron_lora.lora.adapter import LoraAdapter
     from megatron_lora.models.grouped_experts import GroupedExperts
-
-    from megatron.core.transformer.attention import Attention
 
     handles, open_ranges = [], []
 
@@ -184,26 +183,14 @@ def profile(args) -> dict:
     from torch.autograd.profiler import record_function
 
     from megatron_lora import runtime
-    from megatron_lora.cli.common import torchrun_env_defaults
-    from megatron_lora.convert.hf_to_mcore import open_hf
-    from megatron_lora.convert.load import load_hf
-    from megatron_lora.lora.model import LoraConfig, apply_lora
-    from megatron_lora.models.build import build_model, model_config
-    from megatron_lora.runtime import ParallelLayout
-    from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
     from megatron_lora.training.step import forward_backward
-    from train import batches
+    from train import batches, build_ours
 
     torch.set_num_threads(args.threads)
-    torchrun_env_defaults(29543)
-    layout = ParallelLayout()
-    runtime.initialize(layout, seed=0)
-    info, hf, _ = open_hf(args.hf)
-    model = build_model(info, model_config(info, layout))
-    load_hf(model, info, hf)
-    apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=args.targets), verbose=False)
-    wrapped, optimizer, _ = wrap_for_training([model], OptimConfig(lr=1e-4, train_iters=100,
-                                                                    lr_decay_style="constant"))
+    info, wrapped, optimizer = build_ours(args, port=29543)
+    model = wrapped[0]
+    while hasattr(model, "module"):  # megatron's DDP (and any other) wrapper
+        model = model.module
     handles = instrument(model)
     data = batches(info.vocab_size, args.batch, args.seq, args.steps + 1)
 

@@ -43,9 +43,9 @@ def batches(vocab: int, batch: int, seq: int, steps: int):
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
 
 
-def run_ours(args) -> dict:
-    import torch
-
+def build_ours(args, port: int = 29541):
+    """(info, wrapped model chunks, optimizer): the small Mixtral at args.hf, LoRA on
+    args.targets, megatron-core's DDP and optimizer, world size 1 (also step_profile.py's)."""
     from megatron_lora import runtime
     from megatron_lora.cli.common import torchrun_env_defaults
     from megatron_lora.convert.hf_to_mcore import open_hf
@@ -54,9 +54,8 @@ def run_ours(args) -> dict:
     from megatron_lora.models.build import build_model, model_config
     from megatron_lora.runtime import ParallelLayout
     from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
-    from megatron_lora.training.step import forward_backward
 
-    torchrun_env_defaults(29541)
+    torchrun_env_defaults(port)
     layout = ParallelLayout()
     runtime.initialize(layout, seed=0)
     info, hf, _ = open_hf(args.hf)
@@ -65,6 +64,13 @@ def run_ours(args) -> dict:
     apply_lora(model, LoraConfig(r=16, lora_alpha=32, target_modules=args.targets), verbose=False)
     wrapped, optimizer, _ = wrap_for_training([model], OptimConfig(lr=1e-4, train_iters=100,
                                                                     lr_decay_style="constant"))
+    return info, wrapped, optimizer
+
+
+def run_ours(args) -> dict:
+    from megatron_lora.training.step import forward_backward
+
+    info, wrapped, optimizer = build_ours(args)
     data = batches(info.vocab_size, args.batch, args.seq, args.steps + 1)
     times = []
     for step, rows in enumerate(data):

@@ -3,7 +3,9 @@ refused before anything starts (exit 2, one line naming the field or flag and th
 QLoRA run (train on the NF4 base, export peft) gives an ordinary PEFT adapter which, loaded by
 PEFT onto the checkpoint copy whose projections are bitsandbytes' round trip, matches
 `logits --adapter --base-quantization nf4` within 1e-4 (fp32); export says the adapter was
-trained on an NF4 base; generate runs on the NF4 base with the adapter."""
+trained on an NF4 base; generate runs on the NF4 base with the adapter; `logits --load` of the
+model's torch_dist checkpoint (at TP2) with nf4 gives `--load-hf`'s NF4 logits; resuming or
+starting from an adapter with another --base-quantization than its run's is refused."""
 
 import glob
 import json
@@ -162,3 +164,29 @@ def test_qlora_adapter_exports_to_peft_on_the_round_trip(models, qlora_run, tmp_
     # The adapter matters and the base is the round trip, not the full-precision weights.
     assert (ours - S.hf_logits(models["wide_nf4"], tokens)).abs().max().item() > 1e-3
     assert (ours - S.peft_logits(models["wide"], peft, tokens)).abs().max().item() > 1e-2
+
+
+def test_load_of_a_torch_dist_checkpoint_with_nf4_gives_the_load_hf_logits(models, tmp_path):
+    """`convert hf-to-mcore`, then `logits --load` at TP2+SP (each linear gathered over TP and
+    quantised as its global matrix) against `logits --load-hf` at one rank, both with nf4, and
+    both against transformers on the round-trip copy."""
+    from megatron_lora.cli import main
+
+    mcore = str(tmp_path / "mcore")
+    assert main(["convert", "hf-to-mcore", "--hf-dir", models["wide"], "--save", mcore]) == 0
+    outs = {k: str(tmp_path / f"{k}.safetensors") for k in ("hf", "mcore")}
+    done = S.cli("logits", "--load-hf", models["wide"], "--tokens", models["tokens"], "--out",
+                 outs["hf"], "--base-quantization", "nf4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = S.cli("logits", "--load", mcore, "--tokens", models["tokens"], "--out", outs["mcore"],
+                 "--base-quantization", "nf4", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", nproc=2, port=PORT + 3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from_hf, from_mcore = (load_file(outs[k])["logits"] for k in ("hf", "mcore"))
+    torch.testing.assert_close(from_mcore, from_hf, rtol=0, atol=1e-5)
+    tokens = torch.tensor(json.load(open(models["tokens"])))
+    reference = S.hf_logits(models["wide_nf4"], tokens)
+    for logits in (from_hf, from_mcore):
+        diff = (logits - reference).abs().max().item()
+        assert diff <= 1e-4, f"max abs diff {diff:.3e} vs transformers on the NF4 round trip"
+    assert (from_mcore - S.hf_logits(models["wide"], tokens)).abs().max().item() > 1e-3

@@ -1,6 +1,7 @@
 """One-shot GPU check: Mixtral-8x7B (or Qwen3-30B-A3B) layer shapes, bf16, sequence 4096, one GPU.
 
     bash benchmarks/gpu/run.sh                       # on the GPU machine (installs .whl/ first)
+    python benchmarks/gpu/check.py --base-quantization nf4   # + qlora (run.sh passes this)
     bash benchmarks/gpu/run.sh --shape qwen3-30b-a3b # Qwen3-30B-A3B layers (128 experts, top-8)
     python benchmarks/gpu/check.py --tiny            # CPU smoke test (the suite runs it)
 
@@ -14,6 +15,11 @@ own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward
     dora        the LoRA of `lora` with DoRA (train --lora-use-dora)
     prefix      prefix tuning, 20 virtual tokens per layer (train --peft-type prefix)
     lora_sequential / frozen_sequential   the same with megatron's SequentialMLP experts
+    qlora       (--base-quantization nf4) the LoRA of `lora` on a frozen base whose decoder
+                linears (attention, every expert's fc1/fc2) are held in NF4 (models/nf4_model.py
+                quantize_base: bitsandbytes quantises each global weight on CPU after the bf16
+                model is built; the peak memory is reset after that, so it is the step's)
+--modes NAME ... times only those modes (default: all of the shape's).
 --shape qwen3-30b-a3b builds 2 layers of Qwen3-30B-A3B instead (h 2048, 32 heads of 128 / 4 KV
 groups, per-head q/k RMSNorm, 128 experts top-8 of ffn 768, vocab 151936) and times the modes
 frozen, lora, full, lora_sequential and frozen_sequential (the MoE layer is where grouped experts
@@ -30,9 +36,11 @@ weights get no weight gradient); frozen 4 N + attention. N = the base linears a 
 training/flops.py; --peak-tflops overrides it; none on CPU).
 
 Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, flops_per_token,
-model_tflops, mfu (null without a peak), peak_memory_bytes; lora_over_frozen, lora_over_full,
-dora_over_lora and prefix_over_lora (step-time ratios), grouped_over_sequential_lora and
-_frozen; the shape; seconds. Designed to finish well inside 8
+model_tflops, mfu (null without a peak), peak_memory_bytes (qlora also nf4_linears and
+nf4_bytes_per_parameter, the bytes its NF4 linears hold per parameter they stand for);
+lora_over_frozen, lora_over_full, dora_over_lora, prefix_over_lora and qlora_over_lora (step-time
+ratios; null when a mode was not timed), grouped_over_sequential_lora and _frozen; the shape;
+seconds. The qlora mode's FLOPs are lora's: dequantising the base is not model work. Designed to finish well inside 8
 minutes on an H200 (model builds dominate).
 """
 
@@ -75,6 +83,8 @@ def mode_config(mode: str):
     from megatron_lora.lora.model import LoraConfig
 
     mode = mode.replace("_sequential", "")
+    if mode == "qlora":  # the LoRA of `lora`, on an NF4 base
+        mode = "lora"
     if mode == "full":
         return None
     if mode == "prefix":
@@ -126,7 +136,18 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model = build(shape, grouped, dtype, device)
-    if mode in ("lora", "dora", "prefix"):
+    nf4 = {}
+    if mode == "qlora":
+        from megatron_lora.models.nf4_model import nf4_held, quantize_base
+
+        nf4["nf4_linears"] = quantize_base(model)
+        held, params = nf4_held(model)
+        nf4["nf4_bytes_per_parameter"] = round(held / params, 4)
+        gc.collect()
+        if cuda:  # the step's peak, not the bf16 model's before quantisation
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    if mode in ("lora", "dora", "prefix", "qlora"):
         apply_lora(model, mode_config(mode), verbose=False)
     elif mode == "frozen":
         for name, p in model.named_parameters():
@@ -160,6 +181,7 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
         "mfu": round(tflops / args.peak_tflops, 4) if args.peak_tflops else None,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        **nf4,
     }
     del wrapped, optimizer, model
     gc.collect()
@@ -177,6 +199,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=None, help="default 4096 (tiny: 64)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=None, help="default 3")
+    parser.add_argument("--base-quantization", choices=["none", "nf4"], default="none",
+                        help="nf4: also time qlora, LoRA on an NF4 base (needs bitsandbytes)")
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="time only these modes (default: all of the shape's)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="one device's peak for MFU (default: the device's dense bf16 peak "
                              "from training/flops.py; none on CPU)")
@@ -190,6 +216,9 @@ def main(argv=None) -> int:
     shape = SHAPE_TINY if args.tiny else SHAPES[args.shape]
     if args.tiny and args.shape == "qwen3-30b-a3b":  # the same quirks at tiny sizes
         shape = dict(shape, kv_channels=24, qk_layernorm=True, num_experts=8, moe_router_topk=4)
+    if args.tiny and args.base_quantization == "nf4":  # NF4 blocks: widths multiple of 64
+        shape = dict(shape, ffn_hidden_size=128,
+                     **({"kv_channels": 32} if "kv_channels" in shape else {}))
     shape = dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], args.seq))
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if device.type == "cpu" and not args.tiny:
@@ -212,6 +241,15 @@ def main(argv=None) -> int:
              ("lora", False), ("frozen", False)]
     if args.shape == "qwen3-30b-a3b":
         modes = [m for m in modes if m[0] not in ("dora", "prefix")]
+    if args.base_quantization == "nf4":
+        modes.append(("qlora", True))
+    if args.modes:
+        known = {m if grouped else f"{m}_sequential" for m, grouped in modes}
+        unknown = sorted(set(args.modes) - known)
+        if unknown:
+            raise SystemExit(f"benchmarks/gpu/check.py: --modes {' '.join(unknown)}: not modes of "
+                             f"this run (choose from {', '.join(sorted(known))})")
+        modes = [(m, g) for m, g in modes if (m if g else f"{m}_sequential") in args.modes]
     results = {}
     for mode, grouped in modes:
         key = mode if grouped else f"{mode}_sequential"
@@ -224,18 +262,24 @@ def main(argv=None) -> int:
               flush=True)
     runtime.shutdown()
     ms = {k: v["ms_per_step"] for k, v in results.items()}
+
+    def ratio(a, b):
+        return round(ms[a] / ms[b], 4) if a in ms and b in ms else None
+
     summary = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "shape_name": args.shape,
         "shape": dict(shape, seq_length=args.seq, dtype="bf16", micro_batch_size=1),
         "modes": results,
-        "lora_over_frozen": round(ms["lora"] / ms["frozen"], 4),
-        "lora_over_full": round(ms["lora"] / ms["full"], 4),
-        "dora_over_lora": round(ms["dora"] / ms["lora"], 4) if "dora" in ms else None,
-        "prefix_over_lora": round(ms["prefix"] / ms["lora"], 4) if "prefix" in ms else None,
-        "grouped_over_sequential_lora": round(ms["lora"] / ms["lora_sequential"], 4),
-        "grouped_over_sequential_frozen": round(ms["frozen"] / ms["frozen_sequential"], 4),
+        "base_quantization": args.base_quantization,
+        "lora_over_frozen": ratio("lora", "frozen"),
+        "lora_over_full": ratio("lora", "full"),
+        "dora_over_lora": ratio("dora", "lora"),
+        "prefix_over_lora": ratio("prefix", "lora"),
+        "qlora_over_lora": ratio("qlora", "lora"),
+        "grouped_over_sequential_lora": ratio("lora", "lora_sequential"),
+        "grouped_over_sequential_frozen": ratio("frozen", "frozen_sequential"),
         "flop_formula": "megatron_lora.training.flops.lora_step_flops: full 6N + attention, "
                         "lora/dora/prefix 4N + attention + adapters, frozen 4N + attention; "
                         "attention = 6*L*s*d_attn (causal half)",

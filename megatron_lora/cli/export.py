@@ -109,10 +109,9 @@ NF4_NOTES = {
 def trained_on_nf4(path: str) -> bool:
     """Whether the adapter checkpoint's run used --base-quantization nf4 (its saved run config;
     checkpoints without one, e.g. from import peft, say no)."""
-    from megatron_lora.training.checkpoint import read_run_metadata
+    from megatron_lora.cli.quantization import saved_base_quantization
 
-    run = (read_run_metadata(path).get("run_metadata") or {}).get("run_config") or {}
-    return isinstance(run, dict) and run.get("base-quantization") == "nf4"
+    return saved_base_quantization(path) == "nf4"
 
 
 def _adapter_iteration(path: str):

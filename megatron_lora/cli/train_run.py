@@ -122,6 +122,7 @@ def _setup_checks(args, layout, world_size):
         problems += _attention_backend_problems(args)
         problems += _recompute_problems(args, info.shape.num_layers // layout.pp)
         problems += quantization.quantization_problems(args, info, layout)  # nf4: widths
+        problems += quantization.saved_quantization_problems(args, resume_at, initial)
         if getattr(args, "moe_grouped_gemm", None) and args.transformer_impl != "local":
             problems.append("--moe-grouped-gemm builds grouped experts from the local layers; use "
                             "it with --transformer-impl local (or pass --no-moe-grouped-gemm)")

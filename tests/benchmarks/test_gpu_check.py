@@ -107,3 +107,32 @@ def test_qwen3_30b_a3b_shape_is_its_config():
         if key not in ("num_layers", "max_position_embeddings", "vocab_size"):
             assert getattr(shape, key) == value, key
     assert shape.vocab_size == SHAPE_QWEN3_30B_A3B["vocab_size"]  # already a multiple of 128
+
+
+def test_gpu_check_nf4_mode_smoke_on_cpu():
+    """`--base-quantization nf4` (what run.sh passes) adds `qlora`, the LoRA of `lora` on a base
+    held in NF4. A smoke test, not a measurement: on CPU and tiny shapes it proves that the mode
+    runs through quantize_base and the NF4 layers, and that its fields agree with `lora`'s (the
+    same trainable adapters and model FLOPs, ~0.516 bytes held per NF4 parameter); its times say
+    nothing about a GPU."""
+    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
+                          "--base-quantization", "nf4", "--modes", "lora", "qlora"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "qlora" in out.stdout.splitlines()[-2], out.stdout[-2000:]  # its table row
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    modes = result["modes"]
+    assert result["base_quantization"] == "nf4" and set(modes) == {"lora", "qlora"}
+    qlora, lora = modes["qlora"], modes["lora"]
+    assert qlora["ms_per_step"] > 0 and qlora["tokens_per_s"] > 0 and qlora["mfu"] is None
+    assert qlora["peak_memory_bytes"] is None  # CPU: no CUDA allocator to ask
+    assert qlora["nf4_linears"] == 2 * (2 + 2 * result["shape"]["num_experts"])
+    assert 0.5 < qlora["nf4_bytes_per_parameter"] <= 0.53
+    assert "nf4_linears" not in lora
+    assert qlora["trainable_parameters"] == lora["trainable_parameters"]
+    assert qlora["flops_per_token"] == lora["flops_per_token"]
+    assert result["qlora_over_lora"] == pytest.approx(
+        qlora["ms_per_step"] / lora["ms_per_step"], rel=1e-3)
+    assert result["lora_over_frozen"] is None  # frozen was not timed
+

@@ -3,7 +3,9 @@ refused before anything starts (exit 2, one line naming the field or flag and th
 QLoRA run (train on the NF4 base, export peft) gives an ordinary PEFT adapter which, loaded by
 PEFT onto the checkpoint copy whose projections are bitsandbytes' round trip, matches
 `logits --adapter --base-quantization nf4` within 1e-4 (fp32); export says the adapter was
-trained on an NF4 base; generate runs on the NF4 base with the adapter."""
+trained on an NF4 base; generate runs on the NF4 base with the adapter; `logits --load` of the
+model's torch_dist checkpoint (at TP2) with nf4 gives `--load-hf`'s NF4 logits; resuming or
+starting from an adapter with another --base-quantization than its run's is refused."""
 
 import glob
 import json
@@ -81,14 +83,60 @@ def test_widths_that_split_blocks_are_refused_naming_the_flag(models, tmp_path, 
     assert not os.path.exists(out) and not (tmp_path / "run").exists()
 
 
-def test_qlora_adapter_exports_to_peft_on_the_round_trip(models, tmp_path):
-    run, peft, out = (str(tmp_path / n) for n in ("run", "peft", "logits.safetensors"))
-    done = S.cli("train", "--load-hf", models["wide"], "--data-path", models["data"],
-                 "--tokenizer", "byte", "--seq-length", "16", "--global-batch-size", "2",
-                 "--train-iters", "3", "--lr", "1e-2", "--lora-rank", "4",
-                 "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1",
-                 "linear_fc2", "--save", run, "--base-quantization", "nf4", port=PORT + 1)
+def _train_args(models, save, iters, *extra):
+    return ["train", "--load-hf", models["wide"], "--data-path", models["data"], "--tokenizer",
+            "byte", "--seq-length", "16", "--global-batch-size", "2", "--train-iters",
+            str(iters), "--lr", "1e-2", "--lora-rank", "4", "--lora-target-modules",
+            "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "--save", save, *extra]
+
+
+@pytest.fixture(scope="module")
+def qlora_run(models, tmp_path_factory):
+    """A 3-iteration LoRA run on the NF4 base of the wide model."""
+    run = str(tmp_path_factory.mktemp("qlora_run") / "run")
+    done = S.cli(*_train_args(models, run, 3, "--base-quantization", "nf4"), port=PORT + 1)
     assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
+def test_another_base_quantization_than_the_saved_run_is_refused(models, qlora_run, tmp_path,
+                                                                 capsys, env):
+    """Resuming --save, or starting from --adapter, with another --base-quantization than the
+    checkpoint's run config says: exit 2 before anything starts (in this process: no process
+    group is made; WORLD_SIZE 2, so it is what each rank's own checks say), naming the flag and
+    both values; either way round (an fp32 run resumed on the NF4 base)."""
+    from megatron_lora.cli import main
+
+    env.setenv("WORLD_SIZE", "2")
+    before = sorted(os.listdir(qlora_run))
+    fresh = str(tmp_path / "fresh")
+    cases = [(_train_args(models, qlora_run, 6), f"--save {qlora_run}'s checkpoint (iteration 3)"),
+             (_train_args(models, fresh, 6, "--adapter", qlora_run), f"--adapter {qlora_run}")]
+    for argv, whose in cases:
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert (f"megatron-lora train: error: --base-quantization none differs from the base "
+                f"{whose}") in err, err
+        assert ("was trained on (--base-quantization nf4): its adapter was fitted to that base; "
+                "give --base-quantization nf4") in err, err
+    assert sorted(os.listdir(qlora_run)) == before and not os.path.exists(fresh)
+    plain = str(tmp_path / "plain")  # a full-precision run, resumed with nf4
+    env.setenv("WORLD_SIZE", "1")
+    done = S.cli(*_train_args(models, plain, 1), port=PORT + 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    code = main(_train_args(models, plain, 2, "--base-quantization", "nf4"))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert (f"error: --base-quantization nf4 differs from the base --save {plain}'s checkpoint "
+            f"(iteration 1), which this run resumes, was trained on (--base-quantization none)"
+            ) in err, err
+    assert not os.path.exists(os.path.join(plain, "iter_0000002"))
+
+
+def test_qlora_adapter_exports_to_peft_on_the_round_trip(models, qlora_run, tmp_path):
+    run = qlora_run
+    peft, out = (str(tmp_path / n) for n in ("peft", "logits.safetensors"))
     done = S.cli("export", "peft", "--adapter", run, "--load-hf", models["wide"], "--save", peft)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "note: the adapter was trained on an NF4 base (--base-quantization nf4); it is an " \
@@ -116,3 +164,29 @@ def test_qlora_adapter_exports_to_peft_on_the_round_trip(models, tmp_path):
     # The adapter matters and the base is the round trip, not the full-precision weights.
     assert (ours - S.hf_logits(models["wide_nf4"], tokens)).abs().max().item() > 1e-3
     assert (ours - S.peft_logits(models["wide"], peft, tokens)).abs().max().item() > 1e-2
+
+
+def test_load_of_a_torch_dist_checkpoint_with_nf4_gives_the_load_hf_logits(models, tmp_path):
+    """`convert hf-to-mcore`, then `logits --load` at TP2+SP (each linear gathered over TP and
+    quantised as its global matrix) against `logits --load-hf` at one rank, both with nf4, and
+    both against transformers on the round-trip copy."""
+    from megatron_lora.cli import main
+
+    mcore = str(tmp_path / "mcore")
+    assert main(["convert", "hf-to-mcore", "--hf-dir", models["wide"], "--save", mcore]) == 0
+    outs = {k: str(tmp_path / f"{k}.safetensors") for k in ("hf", "mcore")}
+    done = S.cli("logits", "--load-hf", models["wide"], "--tokens", models["tokens"], "--out",
+                 outs["hf"], "--base-quantization", "nf4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = S.cli("logits", "--load", mcore, "--tokens", models["tokens"], "--out", outs["mcore"],
+                 "--base-quantization", "nf4", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", nproc=2, port=PORT + 3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from_hf, from_mcore = (load_file(outs[k])["logits"] for k in ("hf", "mcore"))
+    torch.testing.assert_close(from_mcore, from_hf, rtol=0, atol=1e-5)
+    tokens = torch.tensor(json.load(open(models["tokens"])))
+    reference = S.hf_logits(models["wide_nf4"], tokens)
+    for logits in (from_hf, from_mcore):
+        diff = (logits - reference).abs().max().item()
+        assert diff <= 1e-4, f"max abs diff {diff:.3e} vs transformers on the NF4 round trip"
+    assert (from_mcore - S.hf_logits(models["wide"], tokens)).abs().max().item() > 1e-3

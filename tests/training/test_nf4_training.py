@@ -1,7 +1,10 @@
-"""LoRA trained on an NF4 base (models/nf4_model.py) gives the one-rank run's losses and adapters
-at TP2xEP2+SP (fp32, dropout 0.1, every adapter kind: attention, router, experts), so the NF4
-linears keep megatron's TP/SP/expert semantics in forward and backward. Widths are 128 so that a
-TP2 / ETP2 shard of a row-parallel linear holds whole blocks of 64."""
+"""LoRA and DoRA trained on an NF4 base (models/nf4_model.py) give the one-rank run's losses and
+adapters (DoRA's magnitudes too) at TP2xEP2+SP and at TP2xETP1+SP, where the experts' group
+(expert-TP 1: each expert whole, quantised without a gather) is not the attention's (TP2), fp32,
+dropout 0.1 (LoRA on every adapter kind: attention, router, experts; DoRA on attention and
+experts, its weight norms from the dequantised base), so the NF4 linears keep megatron's
+TP/SP/expert semantics in forward and backward. Widths are 128 so that a TP2 / ETP2 shard of a
+row-parallel linear holds whole blocks of 64."""
 
 import dataclasses
 import os
@@ -24,6 +27,9 @@ STEPS = 4
 LORA = LoraConfig(r=4, lora_alpha=8, seed=11, lora_dropout=0.1,
                   target_modules=["linear_qkv", "linear_proj", "router", "linear_fc1",
                                   "linear_fc2"])
+DORA = LoraConfig(r=4, lora_alpha=8, seed=11, lora_dropout=0.1, use_dora=True,
+                  target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+VARIANTS = {"lora": LORA, "dora": DORA}
 
 
 def _model(layout, weights=None):
@@ -38,8 +44,8 @@ def _model(layout, weights=None):
     return model
 
 
-def _train(model):
-    adapters = apply_lora(model, LORA, verbose=False)
+def _train(model, variant):
+    adapters = apply_lora(model, VARIANTS[variant], verbose=False)
     result = train([model], S.dataset(samples=16), S.run_config(iters=STEPS), S.optim(STEPS),
                    layout_name="nf4")
     tensors = S.global_adapters(adapters)
@@ -51,7 +57,9 @@ def _train(model):
 def _reference(directory, layout=ParallelLayout()):
     weights = os.path.join(directory, "weights")
     save_weights(_model(layout), weights)  # the full-precision base, megatron's random init
-    save_file(_train(_model(layout, weights)), os.path.join(directory, "reference.safetensors"))
+    for variant in VARIANTS:
+        save_file(_train(_model(layout, weights), variant),
+                  os.path.join(directory, f"{variant}.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +69,23 @@ def nf4_reference(tmp_path_factory):
     return directory
 
 
-@multirank(world_size=4, timeout=400)
-def test_lora_on_nf4_base_matches_one_rank(nf4_reference,
-                                          layout=ParallelLayout(tp=2, ep=2, sp=True)):
-    reference = load_file(os.path.join(nf4_reference, "reference.safetensors"))
-    final = _train(_model(layout, os.path.join(nf4_reference, "weights")))
-    torch.testing.assert_close(final.pop("losses"), reference["losses"], rtol=1e-5, atol=0)
-    assert final and all(name in reference for name in final)
-    for name, tensor in final.items():
-        if name.endswith(".B"):
-            assert tensor.abs().max() > 0  # B has moved away from its zero init
-        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-6)
+CASES = [
+    pytest.param(ParallelLayout(tp=2, ep=2, sp=True), 4, id="TP2xEP2+SP"),
+    pytest.param(ParallelLayout(tp=2, etp=1, sp=True), 2, id="TP2xETP1+SP"),
+]
+
+
+@pytest.mark.parametrize("layout,world_size", CASES)
+@multirank(world_size=lambda world_size, **_: world_size, timeout=400)
+def test_lora_and_dora_on_nf4_base_match_one_rank(layout, world_size, nf4_reference):
+    for variant in VARIANTS:
+        reference = load_file(os.path.join(nf4_reference, f"{variant}.safetensors"))
+        final = _train(_model(layout, os.path.join(nf4_reference, "weights")), variant)
+        torch.testing.assert_close(final.pop("losses"), reference["losses"], rtol=1e-5, atol=0)
+        assert final and all(name in reference for name in final)  # EP: this rank's experts
+        assert any(name.endswith(".m") for name in final) == (variant == "dora")
+        for name, tensor in final.items():
+            if name.endswith(".B"):
+                assert tensor.abs().max() > 0  # B has moved away from its zero init
+            torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=name: f"{variant} {n}: {m}")

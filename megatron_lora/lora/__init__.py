@@ -18,7 +18,8 @@ MoE / vocabulary (docs/lora.md, "MoE, router, embedding and output layer"):
 See docs/lora.md.
 """
 
-from megatron_lora.lora.adapter import LoraAdapter, init_global_factors
+from megatron_lora.lora.adapter import LoraAdapter
+from megatron_lora.lora.factors import init_global_factors
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import draw_dropout_key, keep_mask
 from megatron_lora.lora.parallel import (

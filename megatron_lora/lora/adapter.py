@@ -39,11 +39,9 @@ the global factors are the same at every layout.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from megatron_lora.lora import collectives as C
@@ -56,57 +54,9 @@ from megatron_lora.lora.checkpoint import (
 )
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import draw_dropout_key
+from megatron_lora.lora.factors import init_global_factors, shard_like_base, up_projection
 from megatron_lora.lora.parallel import COLUMN, LinearGeometry, describe_base_layer
 from megatron_lora.lora.projection import lora_down
-
-
-def init_global_factors(
-    config: AdapterConfig, in_features: int, out_features: int, seed: int
-) -> tuple:
-    """The global (A [r, in], B [out, r]) in fp32, from a CPU generator seeded with `seed`.
-
-    kaiming: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a=sqrt(5), torch's Linear
-    default), B = 0. gaussian: A ~ N(0, 1/r^2), B = 0. random (init_lora_weights=False): A as
-    kaiming and B ~ U(-1/sqrt(r), 1/sqrt(r)).
-    """
-    r = config.rank
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    if config.init_scheme == "gaussian":
-        a = torch.randn(r, in_features, generator=gen) / r
-    else:
-        bound = 1.0 / math.sqrt(in_features)
-        a = torch.empty(r, in_features).uniform_(-bound, bound, generator=gen)
-    if config.init_scheme == "random":
-        bound = 1.0 / math.sqrt(r)
-        b = torch.empty(out_features, r).uniform_(-bound, bound, generator=gen)
-    else:
-        b = torch.zeros(out_features, r)
-    return a, b
-
-
-def _shard(t: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1) -> torch.Tensor:
-    """This rank's part of the global `t` along dim, as megatron splits a weight with
-    `partition_stride`: chunks of t.shape[dim] / (size * stride), rank takes rank, rank+size..."""
-    chunk = t.shape[dim] // (size * stride)
-    parts = [t.narrow(dim, (j * size + rank) * chunk, chunk) for j in range(stride)]
-    return parts[0] if stride == 1 else torch.cat(parts, dim=dim)
-
-
-def _up(u: torch.Tensor, b: torch.Tensor, add_to: Optional[torch.Tensor]) -> torch.Tensor:
-    """u [..., r] @ b^T [r, n] (+ add_to [..., n]).
-
-    With add_to (the base output) the sum is one addmm: the up-projection accumulates into a
-    single fresh [tokens, n] buffer instead of materialising the LoRA term and then a second
-    buffer for the sum. addmm keeps u and b for backward, exactly as F.linear would.
-    """
-    b = b.to(u.dtype)
-    if add_to is None:
-        return F.linear(u, b)
-    if add_to.dtype != u.dtype or add_to.shape[:-1] != u.shape[:-1]:
-        return add_to + F.linear(u, b).to(add_to.dtype)
-    n = add_to.shape[-1]
-    out = torch.addmm(add_to.reshape(-1, n), u.reshape(-1, u.shape[-1]), b.t())
-    return out.view(add_to.shape)
 
 
 class LoraAdapter(torch.nn.Module):
@@ -169,9 +119,9 @@ class LoraAdapter(torch.nn.Module):
         a, b = init_global_factors(config, geometry.in_features, geometry.out_features, seed)
         t, rank = geometry.tp_size, geometry.tp_rank
         if geometry.mode == COLUMN:
-            b = _shard(b, 0, t, rank, geometry.stride)
+            b = shard_like_base(b, 0, t, rank, geometry.stride)
         else:
-            a = _shard(a, 1, t, rank)
+            a = shard_like_base(a, 1, t, rank)
         self.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
         self.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype).contiguous())
         if config.use_dora:
@@ -330,7 +280,7 @@ class LoraAdapter(torch.nn.Module):
                 # gradients of A and of the input complete.
                 u = C.grad_all_reduce(u, group)
             b = C.gather_weight(self.lora_B, group, 0) if gather_output else self.lora_B
-            return _up(u, b, add_to)
+            return up_projection(u, b, add_to)
         if g.input_is_parallel:
             # Input [s, b, in/t]: the product with this rank's A columns is a partial sum.
             offset = g.tp_rank * g.in_local
@@ -343,7 +293,7 @@ class LoraAdapter(torch.nn.Module):
             # Input replicated [s, b, in]: gather A (a weight) rather than any activation.
             a = C.gather_weight(self.lora_A, group, 1)
             u = lora_down(input_, a, self.scaling, p, key, 0, 0, rows)
-        return _up(u, self.lora_B, add_to)
+        return up_projection(u, self.lora_B, add_to)
 
     def _expert_lora(self, input_, p, key, add_to, rows):
         # Input [tokens, in] (column: the same tokens on every expert-TP rank; row: this rank's
@@ -355,11 +305,11 @@ class LoraAdapter(torch.nn.Module):
             # summed over the group; the input gradient stays partial, like the base's.
             a = C.grad_sum(self.lora_A, g.tp_group)
             u = lora_down(input_, a, self.scaling, p, key, 0, 0, rows)
-            return _up(u, self.lora_B, add_to)
+            return up_projection(u, self.lora_B, add_to)
         # u_k = x_k A_k^T is this rank's partial sum; u_k B^T summed by the dispatcher is exact,
         # but B's gradient dy^T u_k is partial: summed over the group.
         u = lora_down(input_, self.lora_A, self.scaling, p, key, 0, g.tp_rank * g.in_local, rows)
-        return _up(u, C.grad_sum(self.lora_B, g.tp_group), add_to)
+        return up_projection(u, C.grad_sum(self.lora_B, g.tp_group), add_to)
 
     # ---------------------------------------------------------------------------------------
     # merge / disable

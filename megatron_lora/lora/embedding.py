@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from megatron_lora.lora import collectives as C
-from megatron_lora.lora.adapter import LoraAdapter, _up, init_global_factors
+from megatron_lora.lora.adapter import LoraAdapter
+from megatron_lora.lora.factors import init_global_factors, up_projection
 from megatron_lora.lora.checkpoint import (
     accept_unwrapped_keys,
     factor_sharded_tensors,
@@ -103,7 +104,7 @@ class EmbeddingLora(WeightDeltaMerge, torch.nn.Module):
             u = torch.nn.functional.embedding(ids, a.t()) * self.scaling
             if base.reduce_scatter_embeddings:
                 u = u.transpose(0, 1).contiguous()
-        return _up(u, self.lora_B, output)
+        return up_projection(u, self.lora_B, output)
 
     def delta_weight(self) -> torch.Tensor:
         """This rank's rows of scale * (B A)^T: fp32 [V/t, h], the base weight's local shape."""

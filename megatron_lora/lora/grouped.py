@@ -30,12 +30,12 @@ key is `dropout_key` (the MoE layer's, shared by fc1 and fc2) or one drawn per c
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 
 from megatron_lora.lora import collectives as C
-from megatron_lora.lora.adapter import _shard, init_global_factors
+from megatron_lora.lora.factors import init_global_factors, shard_like_base
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import draw_dropout_key, expert_keys, keep_mask_at
 
@@ -169,9 +169,9 @@ class GroupedExpertLora(torch.nn.Module):
         for seed in seeds:
             a, b = init_global_factors(config, in_features, out_features, int(seed))
             if kind == "linear_fc1":
-                b = _shard(b, 0, t, k, stride)
+                b = shard_like_base(b, 0, t, k, stride)
             else:
-                a = _shard(a, 1, t, k)
+                a = shard_like_base(a, 1, t, k)
             a_list.append(a)
             b_list.append(b)
         dtype = dtype or config.dtype or torch.float32  # the factors' dtype (config.dtype)

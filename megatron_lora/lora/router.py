@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lora.lora.adapter import _up, init_global_factors
+from megatron_lora.lora.factors import init_global_factors, up_projection
 from megatron_lora.lora.checkpoint import factor_sharded_tensors, with_dp_cp_group
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import draw_dropout_key
@@ -84,7 +84,7 @@ class RouterLora(WeightDeltaMerge, torch.nn.Module):
             tp = router.tp_group
             offset = tp.rank() * (input_.numel() // input_.shape[-1])
         u = lora_down(input_, self.lora_A, self.scaling, p, key, offset, 0)
-        return _up(u.to(logits.dtype), self.lora_B, logits)
+        return up_projection(u.to(logits.dtype), self.lora_B, logits)
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A, fp32 [E, h] (the router weight's shape; global = local)."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lora.lora import AdapterConfig, LoraAdapter, draw_dropout_key, keep_mask
-from megatron_lora.lora.adapter import _shard
+from megatron_lora.lora.factors import shard_like_base as _shard
 from tests.lora import _support as S
 
 MAG_SEED = 21

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from megatron_lora.lora import AdapterConfig, draw_dropout_key
-from megatron_lora.lora.adapter import _shard
+from megatron_lora.lora.factors import shard_like_base as _shard
 from megatron_lora.lora.dropout import keep_mask, keep_mask_at, sub_key
 from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import wrap_router

@@ -47,7 +47,7 @@ def test_grouped_matmul_matches_a_loop_with_empty_groups(kernel, monkeypatch):
 
 
 def test_strided_shards_reassemble_to_the_global_tensor():
-    from megatron_lora.lora.adapter import _shard
+    from megatron_lora.lora.factors import shard_like_base as _shard
     from megatron_lora.lora.gather import unstride
 
     t = torch.arange(48.0).reshape(24, 2)
@@ -138,7 +138,7 @@ def test_grouped_dropout_and_rslora_match_the_global_mask_reference(layout):
     from megatron.core import parallel_state as ps
 
     from megatron_lora.lora import AdapterConfig, init_global_factors
-    from megatron_lora.lora.adapter import _shard
+    from megatron_lora.lora.factors import shard_like_base as _shard
     from megatron_lora.lora.dropout import keep_mask_at, sub_key
     from megatron_lora.lora.grouped import GroupedExpertLora
 

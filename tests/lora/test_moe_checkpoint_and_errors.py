@@ -53,7 +53,7 @@ def test_checkpoints_reshard_and_keep_base_keys(tmp_path):
 
     from megatron_lora import runtime
     from megatron_lora.lora import AdapterConfig, LoraAdapter
-    from megatron_lora.lora.adapter import _shard, init_global_factors
+    from megatron_lora.lora.factors import init_global_factors, shard_like_base as _shard
     from tests.lora import _moe_support as M
     from tests.lora._support import gather
 

@@ -28,7 +28,8 @@ from megatron_lora.lora.sizes import config_problems, model_kinds  # noqa: F401 
 from megatron_lora.lora.identity import adapter_seed, dropout_stream, global_layer_prefix
 from megatron_lora.lora.prefix import ENCODER as PREFIX_ENCODER
 from megatron_lora.lora.prefix import SHARED as PREFIX_SHARED
-from megatron_lora.lora.prefix import apply_prefix, check_prefix_fields, prefix_problems
+from megatron_lora.lora.prefix import apply_prefix, prefix_problems
+from megatron_lora.lora.prefix_config import check_prefix_fields
 from megatron_lora.lora.targets import UnknownTargetError, normalize_targets
 from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA
 from megatron_lora.lora.trainable_tokens import model_token_problems, wrap_model_tokens

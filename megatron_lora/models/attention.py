@@ -102,11 +102,12 @@ class SDPAttention(MegatronModule):
 
     forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None):
-      query [sq, b, np, hn], key/value [sk, b, ng, hn] (np = heads, ng = query groups on this TP
-      rank); attention_mask None (causal by attn_mask_type) or bool [b or 1, 1, sq, sk] with
+      query/key [sq|sk, b, np|ng, hn], value [sk, b, ng, hv] (np = heads, ng = query groups on
+      this TP rank; hn = hv = kv_channels, or k_channels / v_channels as multi-latent attention
+      passes them); attention_mask None (causal by attn_mask_type) or bool [b or 1, 1, sq, sk] with
       True = masked out (megatron's convention; it then replaces the causal mask, as in
       DotProductAttention). With a KV cache, sk may exceed sq: the queries are then the last sq
-      positions (causal up to each one). Returns the context [sq, b, np * hn].
+      positions (causal up to each one). Returns the context [sq, b, np * hv].
     """
 
     def __init__(
@@ -118,6 +119,8 @@ class SDPAttention(MegatronModule):
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         **kwargs,  # pg_collection and whatever later releases pass: only the TP size is needed
     ):
         super().__init__(config=config)
@@ -142,7 +145,10 @@ class SDPAttention(MegatronModule):
             )
         self.heads_per_partition = config.num_attention_heads // tp
         self.groups_per_partition = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # Multi-latent attention (models/mla.py) passes its query/key head size (qk_head_dim +
+        # qk_pos_emb_head_dim) and its value head size (v_head_dim), which may differ.
+        self.head_dim = config.kv_channels if k_channels is None else k_channels
+        self.v_head_dim = config.kv_channels if v_channels is None else v_channels
         # DotProductAttention divides by layer_number under apply_query_key_layer_scaling and
         # multiplies the scores back in its softmax: the net scale is this one.
         self.softmax_scale = (
@@ -218,12 +224,12 @@ class SDPAttention(MegatronModule):
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, scale=self.softmax_scale, enable_gqa=rep > 1
             )
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        # [b, np, sq, hv] -> [sq, b, np * hv]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * value.shape[-1])
 
     def _sink_window(self, q, k, v, attention_mask, mask_type, rep):
         """Sinks and/or a sliding window (models/sink_window.py): [b, np, sq, hn]."""
-        sq, sk, hn = q.shape[2], k.shape[2], q.shape[3]
+        sq, sk, hv = q.shape[2], k.shape[2], v.shape[3]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -239,7 +245,7 @@ class SDPAttention(MegatronModule):
                      else q.new_zeros(q.shape[1]))
             q, k, v = sink_window.with_sink_key(q, k, v, sinks, self.softmax_scale)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
-        return out[..., :hn] if sink else out
+        return out[..., :hv] if sink else out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """DotProductAttention's checkpoint keys: nothing for vanilla and off-by-one softmax,

@@ -141,6 +141,17 @@ class LocalMLASelfAttention(MLASelfAttention):
         rope = _SumGradOverGroup.apply(rope, self.pg_collection.tp)
         return torch.cat([latent, rope], dim=-1), bias
 
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        """The spec's projections and latent norms as they are (megatron-core 0.19 asks this;
+        0.16 builds the spec's modules directly). 0.19's own resolver ties the latent norms to
+        config.qk_layernorm and, without q_lora_rank, wants a norm fused into linear_q_proj,
+        which the local backend does not have: DeepSeek-V2-Lite's q_proj plus kv norm could
+        not be built."""
+        return dict(linear_q_proj=submodules.linear_q_proj,
+                    linear_q_up_proj=submodules.linear_q_up_proj,
+                    linear_kv_up_proj=submodules.linear_kv_up_proj,
+                    q_layernorm=submodules.q_layernorm, kv_layernorm=submodules.kv_layernorm)
+
     def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
         if packed_seq_params is not None:
             raise ValueError(

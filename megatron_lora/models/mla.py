@@ -13,12 +13,17 @@ mscale^2 / sqrt(q_head_dim) with mscale = 0.1 * mscale_all_dim * ln(factor) + 1 
 factor <= 1 or mscale_all_dim is 0), transformers' `yarn_apply_mscale` exactly.
 
 `mla_attention_spec()` gives MLASelfAttention (as `LocalMLASelfAttention`, which refuses what
-the local path cannot run) with ColumnParallelLinear down projections (their outputs are
-gathered over TP and split, as megatron does), ColumnParallelLinear up projections (heads split
-over TP), a RowParallelLinear output, our RMSNorm (SP-safe) for both latent norms and
-SDPAttention. The same spec serves q_lora_rank set (q down -> q norm -> q up) and None (one
-linear_q_proj, DeepSeek-V2-Lite). `mla_config_kwargs(hf_config)` gives the MLATransformerConfig
-fields of an HF config.
+the local path cannot run) with ColumnParallelLinear down projections (output rows split over
+TP, gathered back whole), ColumnParallelLinear up projections (heads split over TP), a
+RowParallelLinear output, our RMSNorm (SP-safe) for both latent norms and SDPAttention.
+Two corrections to megatron's module, both in `LocalMLASelfAttention`: under TP it gathers the
+kv down projection's chunks itself so that the shared rope key's gradient is summed over the
+ranks' heads (megatron's own gather kept each rank's part only: the input gradient was off by
+0.19 at TP2, with or without SP, on 0.16.1 and 0.19.2); on 0.19 it builds the spec's latent
+norms as 0.16 does (`_resolve_qk_norm_config`; runtime/versions.py has the row). The same spec
+serves q_lora_rank set (q down -> q norm -> q up) and None (one linear_q_proj,
+DeepSeek-V2-Lite). `mla_config_kwargs(hf_config)` gives the MLATransformerConfig fields of an HF
+config.
 
 Rope: megatron rotates the last qk_pos_emb_head_dim channels of each query head and the one
 shared key channel group, YaRN through `YarnRotaryEmbedding` (rope_type "yarn": cos/sin times
@@ -46,7 +51,8 @@ I(rope) = the r rope rows interleaved when rope_interleave is False, unchanged w
 | kv_b_proj.weight | linear_kv_up_proj.weight | [n * (nope + v), kv_lora_rank], per head [nope; v] | heads |
 | o_proj.weight | linear_proj.weight | [h, n * v] | dim 1 (heads) |
 
-Refused (one line, naming the field): attention_bias=True (megatron's MLA projections have no
+Refused (one line, naming the field): TP sizes that do not divide q_lora_rank, kv_lora_rank +
+qk_rope_head_dim or the heads, attention_bias=True (megatron's MLA projections have no
 bias), rope types other than default and yarn, YaRN with an explicit attention_factor, truncate
 False or mscale_all_dim without mscale (megatron cannot express those), apply_rope_fusion,
 cache_mla_latents, and `packed_seq_params` (packed samples come as the
@@ -110,6 +116,16 @@ class LocalMLASelfAttention(MLASelfAttention):
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         problems = _config_problems(config)
+        tp = config.tensor_model_parallel_size
+        sizes = {"q_lora_rank": config.q_lora_rank or 0,
+                 "kv_lora_rank + qk_rope_head_dim":
+                     config.kv_lora_rank + config.qk_pos_emb_head_dim,
+                 "num_attention_heads": config.num_attention_heads}
+        uneven = [f"{name}={size}" for name, size in sizes.items() if size % tp]
+        if uneven:
+            raise ValueError(
+                f"multi-latent attention needs {', '.join(uneven)} to divide by the "
+                f"tensor-parallel size {tp}; choose another --tensor-model-parallel-size")
         if problems:
             raise ValueError(
                 "multi-latent attention on the local spec does not support "

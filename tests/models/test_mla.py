@@ -296,6 +296,12 @@ def test_round_trip_and_refusals():
                                **dict(yarn, apply_rope_fusion=True))
     with pytest.raises(ValueError, match="apply_rope_fusion=True"):
         LocalMLASelfAttention(mla, mla_attention_spec().submodules, 1)
+    mla = MLATransformerConfig(num_layers=1, use_cpu_initialization=True,
+                               tensor_model_parallel_size=2,
+                               **dict(mla_config_kwargs(config), kv_lora_rank=15))
+    with pytest.raises(ValueError, match=r"needs kv_lora_rank \+ qk_rope_head_dim=19 to divide "
+                                         r"by the tensor-parallel size 2;"):
+        LocalMLASelfAttention(mla, mla_attention_spec().submodules, 1)
 
 
 def _hf_config_with(**fields):

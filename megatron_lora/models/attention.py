@@ -25,6 +25,11 @@ mask [b, 1, s, s] (True = masked, megatron's convention) that training.step pass
 as `attention_mask`; `packed_seq_params` (cu_seqlens, TE's THD format) is not used by this project
 and is refused here, as megatron's DotProductAttention refuses it.
 
+Value heads of another size than the query/key heads (multi-latent attention, models/mla.py,
+passes `k_channels` / `v_channels`) are zero-padded with the query/key heads to the larger size:
+with unequal sizes torch runs its math kernel, which keeps [b, heads, s, s]; the zero channels
+add nothing to the scores and the padded value channels are cut from the output.
+
 Learned sinks (`softmax_type="learnable"`, GPT-OSS; also "off-by-one", a sink fixed at 0) and
 causal sliding windows (`window_size=(W - 1, 0)` on the layers `window_attn_skip_freq` picks) run
 on the same fused kernels through models/sink_window.py: the sink is one more key per head, the
@@ -189,6 +194,15 @@ class SDPAttention(MegatronModule):
         sk = key.shape[0]
         # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take any strides with a unit last one.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        hv = value.shape[-1]
+        if hv != hn:
+            # The fused kernels want one head size for q, k and v (with another v size torch
+            # falls back to its math kernel, which keeps [b, heads, s, s]): zero channels pad the
+            # narrower side; they add nothing to the scores, and padded value channels are cut
+            # from the output.
+            width = max(hn, hv)
+            q, k = (F.pad(t, (0, width - hn)) for t in (q, k))
+            v = F.pad(v, (0, width - hv))
         rep = np_ // key.shape[2]
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             raise ValueError(
@@ -225,11 +239,12 @@ class SDPAttention(MegatronModule):
                 q, k, v, is_causal=causal, scale=self.softmax_scale, enable_gqa=rep > 1
             )
         # [b, np, sq, hv] -> [sq, b, np * hv]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * value.shape[-1])
+        return out[..., :hv].permute(2, 0, 1, 3).reshape(sq, b, np_ * hv)
 
     def _sink_window(self, q, k, v, attention_mask, mask_type, rep):
-        """Sinks and/or a sliding window (models/sink_window.py): [b, np, sq, hn]."""
-        sq, sk, hv = q.shape[2], k.shape[2], v.shape[3]
+        """Sinks and/or a sliding window (models/sink_window.py): q, k, v and the result
+        [b, np, s, hn] (one head size: forward pads the narrower of q/k and v)."""
+        sq, sk, hn = q.shape[2], k.shape[2], q.shape[3]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -245,7 +260,7 @@ class SDPAttention(MegatronModule):
                      else q.new_zeros(q.shape[1]))
             q, k, v = sink_window.with_sink_key(q, k, v, sinks, self.softmax_scale)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
-        return out[..., :hv] if sink else out
+        return out[..., :hn] if sink else out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """DotProductAttention's checkpoint keys: nothing for vanilla and off-by-one softmax,

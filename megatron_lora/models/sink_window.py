@@ -117,12 +117,11 @@ def attention_mask(sq: int, sk: int, causal: bool, window: Optional[int], sink: 
 
 def with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                   scale: float):
-    """q [b, n, sq, d], k [b, n, sk, d], v [b, n, sk, dv] (one key head per query head), sinks
-    [n] -> q', k' [b, n, sq | sk + 1, d'], v' [b, n, sk + 1, dv'] (d', dv' multiples of 8 above
-    d, dv) whose attention with `scale` is the sink
+    """q [b, n, sq, d], k/v [b, n, sk, d] (one key head per query head), sinks [n] -> q', k', v'
+    [b, n, sq | sk + 1, d'] (d' a multiple of 8 above d) whose attention with `scale` is the sink
     softmax: the last key scores sinks[h] against every query, with a zero value."""
     b, n, sq, d = q.shape
-    sk, dv = k.shape[2], v.shape[3]
+    sk = k.shape[2]
     width = (d // _PAD + 1) * _PAD
     extra = width - d
     q_pad = q.new_zeros(b, n, sq, extra)
@@ -130,9 +129,8 @@ def with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     sink_key = k.new_zeros(b, n, 1, width)
     sink_key[..., d] = (sinks.to(k.dtype) / scale).view(1, n, 1).expand(b, n, 1)
     k_aug = torch.cat([torch.cat([k, k.new_zeros(b, n, sk, extra)], dim=-1), sink_key], dim=2)
-    v_width = (dv // _PAD + 1) * _PAD  # the value head size dv may differ from d (MLA)
-    v_aug = torch.cat([v, v.new_zeros(b, n, sk, v_width - dv)], dim=-1)
-    v_aug = torch.cat([v_aug, v.new_zeros(b, n, 1, v_width)], dim=2)
+    v_aug = torch.cat([v, v.new_zeros(b, n, sk, extra)], dim=-1)
+    v_aug = torch.cat([v_aug, v.new_zeros(b, n, 1, width)], dim=2)
     return torch.cat([q, q_pad], dim=-1), k_aug, v_aug
 
 

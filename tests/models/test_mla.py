@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
@@ -150,6 +151,30 @@ def _check_one_rank(name):
     return config, attention, rotary, module, x, ref
 
 
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _check_fused_kernel(module, x):
+    """The value heads (10) are narrower than the query/key heads (12), yet torch's fused kernel
+    runs (no softmax, no bmm) and nothing [.., s, s] is kept for backward."""
+    saved, ops = [], _Ops()
+    x_mc = x.transpose(0, 1).clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with ops:
+            out = module(x_mc, None)[0]
+    out.sum().backward()
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops.names, ops.names
+    assert not ops.names & {"_softmax", "_safe_softmax", "softmax", "bmm", "baddbmm"}, ops.names
+    assert saved and not any(t.shape[-2:] == (S, S) for t in saved)
+
+
 def _controls(config, attention, module, x, ref):
     """Each check sees a missing YaRN softmax mscale and rope rows mapped for the other layout
     (rope_interleave False on an interleaved checkpoint)."""
@@ -200,6 +225,7 @@ def test_mla_matches_transformers_at_one_rank(layout=ParallelLayout()):
             _controls(config, attention, module, x, ref)
         if name == "v3_q_lora":
             _check_packed(name, attention, rotary, module)
+            _check_fused_kernel(module, x)
     # Why not megatron's local core attention: it takes no k_channels / v_channels.
     spec = mla_attention_spec()
     spec.submodules.core_attention = DotProductAttention

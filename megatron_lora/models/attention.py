@@ -25,6 +25,11 @@ mask [b, 1, s, s] (True = masked, megatron's convention) that training.step pass
 as `attention_mask`; `packed_seq_params` (cu_seqlens, TE's THD format) is not used by this project
 and is refused here, as megatron's DotProductAttention refuses it.
 
+Value heads of another size than the query/key heads (multi-latent attention, models/mla.py,
+passes `k_channels` / `v_channels`) are zero-padded with the query/key heads to the larger size:
+with unequal sizes torch runs its math kernel, which keeps [b, heads, s, s]; the zero channels
+add nothing to the scores and the padded value channels are cut from the output.
+
 Learned sinks (`softmax_type="learnable"`, GPT-OSS; also "off-by-one", a sink fixed at 0) and
 causal sliding windows (`window_size=(W - 1, 0)` on the layers `window_attn_skip_freq` picks) run
 on the same fused kernels through models/sink_window.py: the sink is one more key per head, the
@@ -102,11 +107,12 @@ class SDPAttention(MegatronModule):
 
     forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None):
-      query [sq, b, np, hn], key/value [sk, b, ng, hn] (np = heads, ng = query groups on this TP
-      rank); attention_mask None (causal by attn_mask_type) or bool [b or 1, 1, sq, sk] with
+      query/key [sq|sk, b, np|ng, hn], value [sk, b, ng, hv] (np = heads, ng = query groups on
+      this TP rank; hn = hv = kv_channels, or k_channels / v_channels as multi-latent attention
+      passes them); attention_mask None (causal by attn_mask_type) or bool [b or 1, 1, sq, sk] with
       True = masked out (megatron's convention; it then replaces the causal mask, as in
       DotProductAttention). With a KV cache, sk may exceed sq: the queries are then the last sq
-      positions (causal up to each one). Returns the context [sq, b, np * hn].
+      positions (causal up to each one). Returns the context [sq, b, np * hv].
     """
 
     def __init__(
@@ -118,6 +124,8 @@ class SDPAttention(MegatronModule):
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         **kwargs,  # pg_collection and whatever later releases pass: only the TP size is needed
     ):
         super().__init__(config=config)
@@ -142,7 +150,10 @@ class SDPAttention(MegatronModule):
             )
         self.heads_per_partition = config.num_attention_heads // tp
         self.groups_per_partition = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # Multi-latent attention (models/mla.py) passes its query/key head size (qk_head_dim +
+        # qk_pos_emb_head_dim) and its value head size (v_head_dim), which may differ.
+        self.head_dim = config.kv_channels if k_channels is None else k_channels
+        self.v_head_dim = config.kv_channels if v_channels is None else v_channels
         # DotProductAttention divides by layer_number under apply_query_key_layer_scaling and
         # multiplies the scores back in its softmax: the net scale is this one.
         self.softmax_scale = (
@@ -183,6 +194,15 @@ class SDPAttention(MegatronModule):
         sk = key.shape[0]
         # [s, b, n, d] -> [b, n, s, d]: a view; the kernels take any strides with a unit last one.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        hv = value.shape[-1]
+        if hv != hn:
+            # The fused kernels want one head size for q, k and v (with another v size torch
+            # falls back to its math kernel, which keeps [b, heads, s, s]): zero channels pad the
+            # narrower side; they add nothing to the scores, and padded value channels are cut
+            # from the output.
+            width = max(hn, hv)
+            q, k = (F.pad(t, (0, width - hn)) for t in (q, k))
+            v = F.pad(v, (0, width - hv))
         rep = np_ // key.shape[2]
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             raise ValueError(
@@ -218,11 +238,12 @@ class SDPAttention(MegatronModule):
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, scale=self.softmax_scale, enable_gqa=rep > 1
             )
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        # [b, np, sq, hv] -> [sq, b, np * hv]
+        return out[..., :hv].permute(2, 0, 1, 3).reshape(sq, b, np_ * hv)
 
     def _sink_window(self, q, k, v, attention_mask, mask_type, rep):
-        """Sinks and/or a sliding window (models/sink_window.py): [b, np, sq, hn]."""
+        """Sinks and/or a sliding window (models/sink_window.py): q, k, v and the result
+        [b, np, s, hn] (one head size: forward pads the narrower of q/k and v)."""
         sq, sk, hn = q.shape[2], k.shape[2], q.shape[3]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)

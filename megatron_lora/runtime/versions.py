@@ -15,6 +15,8 @@ introduced the change and the megatron-core call site.
 | `materialize_only_last_token_logits` moved from the inference context into its `InferenceConfig` (`context.config`) | 0.19.0 | `inference/contexts/base_context.py`, `models/gpt/gpt_model.py:_postprocess` | `static_kv_cache` |
 | the grad norm filters a replicated expert parameter's duplicates over the expert-TP group (`expert_tp_group`); before, over the dense TP group, so at expert-TP != TP a TP rank left its replicated expert-adapter factors out of the norm (and clipped by another factor) | 0.19.0 | `optimizer/optimizer.py:get_main_grads_for_grad_norm`, `tensor_parallel/layers.py:param_is_not_tensor_parallel_duplicate` | `filter_expert_duplicates_over_expert_tp` |
 | legacy `GroupedMLP` (grouped_gemm package) removed; `moe_grouped_gemm=True` means TE's `TEGroupedMLP` | 0.17.0 | `transformer/moe/experts.py` | not used: SequentialMLP only |
+| multi-latent attention resolves its q/kv projections and latent norms through `QKNormConfigResolver` (norms only with `qk_layernorm`; without `q_lora_rank` a norm fused into `linear_q_proj`, which the local backend lacks); before, it built the spec's modules | 0.19.0 | `transformer/multi_latent_attention.py:MLASelfAttention._resolve_qk_norm_config`, `transformer/mla_qk_norm_config.py` | `models/mla.py:LocalMLASelfAttention._resolve_qk_norm_config` returns the spec's modules |
+| without Transformer Engine, `extensions/transformer_engine.py` still imports (TE stood in by a `MagicMock`), so multi-latent attention sets `HAVE_TE = True` with `TELinear` a mock instance and `isinstance(self.linear_proj, TELinear)` raises TypeError at construction; 0.19 fails that import and sets `HAVE_TE = False` | 0.16.x | `transformer/multi_latent_attention.py` lines 54-65, 183-186 | `mla_without_transformer_engine` |
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ def spec_replace(spec: Any, *, module: Any = None, submodules: Any = None) -> An
     if submodules is not None:
         changes["submodules"] = submodules
     return dataclasses.replace(spec, **changes)
+
+
+def mla_without_transformer_engine() -> None:
+    """Let megatron's multi-latent attention build without Transformer Engine: where its module
+    found only megatron's mock stand-ins for TE's classes (0.16.x; not types), mark TE absent,
+    as 0.19 does itself. With TE installed, or on 0.19, nothing changes."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if mla.HAVE_TE and not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
 
 
 def static_kv_cache(max_batch_size: int, max_sequence_length: int) -> Any:

@@ -73,7 +73,7 @@ def _hf(q, k, v, sinks, window, position_ids=None):
     out, _ = eager_attention_forward(
         module, *(t.permute(1, 2, 0, 3) for t in (q, k, v)), _hf_mask(b, s, window, position_ids),
         scaling=DIM ** -0.5)
-    return out.transpose(0, 1).reshape(s, b, HEADS * DIM)
+    return out.transpose(0, 1).reshape(s, b, -1)
 
 
 def _ours(attention, q, k, v, mask=None):
@@ -112,6 +112,30 @@ def test_sinks_and_window_match_transformers_forward_and_backward(layer_number, 
         other = _hf(q, k, v, _sinks(), None if window else WINDOW)
     assert (out - no_sink).abs().max() > 0.05
     assert (out - other).abs().max() > 0.05
+
+
+def test_value_heads_of_another_size_with_sinks_and_window():
+    """Multi-latent attention passes k_channels / v_channels: value heads (5 channels) narrower
+    than query/key heads (8), through the sink key and its zero value."""
+    b, s, dv = 2, 12, 5
+    group = SimpleNamespace(size=lambda: 1)
+    attention = SDPAttention(_config(), 1, AttnMaskType.causal, "self", k_channels=DIM,
+                             v_channels=dv, pg_collection=SimpleNamespace(tp=group))
+    with torch.no_grad():
+        attention.softmax_offset.copy_(_sinks())
+    q, k, _ = _qkv(b, s)
+    v = torch.randn(s, b, GROUPS, dv, generator=torch.Generator().manual_seed(4))
+    ours = _leaves(q, k, v)
+    out = _ours(attention, *ours)
+    assert out.shape == (s, b, HEADS * dv)
+    theirs = _leaves(q, k, v)
+    ref = _hf(*theirs, _sinks(), WINDOW)
+    grad_out = torch.randn(s, b, HEADS * dv, generator=torch.Generator().manual_seed(5))
+    out.backward(grad_out)
+    ref.backward(grad_out)
+    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+    for name, a, r in zip("qkv", ours, theirs):
+        torch.testing.assert_close(a.grad, r.grad, rtol=0, atol=ATOL, msg=name)
 
 
 def test_packed_samples_keep_their_own_window_and_sinks():

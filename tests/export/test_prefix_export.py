@@ -233,8 +233,8 @@ def test_peft_s_own_saves_import_and_give_peft_s_logits(runs, tmp_path):
         assert _bits_equal(AdapterCheckpoint(back, info).prefix_table(), table)
     tokens = _tokens(runs)
     out = str(tmp_path / "ours.safetensors")
-    _ok(S.cli("logits", "--load-hf", runs["hf"], "--adapter", back, "--tokens", runs["tokens"],
-              "--out", out))
+    inference.logits(["--load-hf", runs["hf"], "--adapter", back, "--tokens", runs["tokens"],
+                      "--out", out], world_size=1)  # in the warm 1-rank world
     with torch.no_grad():
         peft = PeftModel.from_pretrained(S.hf_model(runs["hf"]), saved).eval()(tokens).logits
     diff = _max_diff(peft.float(), load_file(out)["logits"])

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_lora.convert.errors import ConversionError
+from tests.export import _inference as inference
 from tests.export import _support as S
 
 TOL = 1e-4
@@ -80,9 +81,9 @@ def runs(tiny, tmp_path_factory):
             assert "PREFIX_TUNING" in proc.stderr and "note: prefix_projection" in proc.stderr
         else:
             export_peft(run, peft, hf_config=tiny["hf"])
-        _ok(S.cli("logits", "--load-hf", tiny["hf"], "--adapter", run, "--tokens",
-                  tiny["tokens"], "--out", logits, "--tensor-model-parallel-size", "2",
-                  "--sequence-parallel", nproc=2))
+        inference.logits(["--load-hf", tiny["hf"], "--adapter", run, "--tokens", tiny["tokens"],
+                          "--out", logits, "--tensor-model-parallel-size", "2",
+                          "--sequence-parallel"])  # in the warm 2-rank world
         paths[mode] = {"run": run, "peft": peft, "logits": logits}
     return paths
 
@@ -158,10 +159,10 @@ def test_greedy_generate_matches_transformers_peft(runs, tmp_path):
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in PROMPTS)
     out = str(tmp_path / "out.jsonl")
-    _ok(S.cli("generate", "--load", runs["mcore"], "--adapter", runs["table"]["run"],
-              "--tokenizer", runs["tok"], "--prompts", prompts, "--out", out, "--max-new-tokens",
-              str(NEW_TOKENS), "--tensor-model-parallel-size", "2", "--sequence-parallel",
-              nproc=2))
+    inference.generate(["--load", runs["mcore"], "--adapter", runs["table"]["run"],
+                        "--tokenizer", runs["tok"], "--prompts", prompts, "--out", out,
+                        "--max-new-tokens", str(NEW_TOKENS), "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel"])  # in the warm 2-rank world
     ours = [json.loads(line)["token_ids"] for line in open(out)]
     tok = AutoTokenizer.from_pretrained(runs["tok"])
     ids = [tok(p).input_ids for p in PROMPTS]
@@ -232,8 +233,8 @@ def test_peft_s_own_saves_import_and_give_peft_s_logits(runs, tmp_path):
         assert _bits_equal(AdapterCheckpoint(back, info).prefix_table(), table)
     tokens = _tokens(runs)
     out = str(tmp_path / "ours.safetensors")
-    _ok(S.cli("logits", "--load-hf", runs["hf"], "--adapter", back, "--tokens", runs["tokens"],
-              "--out", out))
+    inference.logits(["--load-hf", runs["hf"], "--adapter", back, "--tokens", runs["tokens"],
+                      "--out", out], world_size=1)  # in the warm 1-rank world
     with torch.no_grad():
         peft = PeftModel.from_pretrained(S.hf_model(runs["hf"]), saved).eval()(tokens).logits
     diff = _max_diff(peft.float(), load_file(out)["logits"])

@@ -4,7 +4,8 @@ tuning), made by PEFT on the family's tiny model, imported, and run by `logits -
 The reference is PEFT's: `get_peft_model` with non-zero factors (LoRA B random, DoRA's magnitude
 from the weights; the prefix table random), saved with `save_pretrained`, loaded back by
 `PeftModel.from_pretrained` into transformers' model of the family. Ours is `import peft` of
-that save, then the `logits` command on the HF folder with `--adapter`.
+that save, then the `logits` command's computation on the HF folder with `--adapter` (one
+rank, in the warm world: tests/export/_inference.py).
 """
 
 import os
@@ -12,7 +13,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from tests.export import _support as S
+from tests.export import _inference as inference
 from tests.families._support import TOL, hf_logits, hf_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -42,9 +43,8 @@ def check_peft_save_gives_peft_logits(paths: dict, kind: str, tmp: str, seed: in
     report = import_peft(saved, back, hf_config=hf)
     assert report["config"].get("use_dora", False) == (kind == "dora"), report["config"]
     out = os.path.join(tmp, "ours.safetensors")
-    proc = S.cli("logits", "--load-hf", hf, "--adapter", back, "--tokens", paths["tokens"],
-                 "--out", out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    inference.logits(["--load-hf", hf, "--adapter", back, "--tokens", paths["tokens"], "--out",
+                      out], world_size=1)  # the command's computation in the warm 1-rank world
     ours = load_file(out)["logits"]
     tokens = load_file(paths["reference"])["tokens"]
     with torch.no_grad():

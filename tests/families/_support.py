@@ -20,6 +20,7 @@ from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing import parity
 from tests.convert.tiny import make_tokens
 from tests.export import _support as S
+from tests.export import _inference as inference
 from tests.harness import multirank
 
 TOL = 1e-4
@@ -131,7 +132,8 @@ def train_and_export(paths: dict, hf: str, targets, extra=(),
     """The same LoRA run (3 steps, dropout 0.1, rsLoRA) at 1 rank (`run1`) and at each of
     `layouts` (PP2xEP2: `run4`); the PEFT export (`peft`) of the first layout's run (`exported`)
     and `logits --adapter` of it on 2 ranks with the flags `infer` (TP2+SP; `logits`), which
-    check_generate uses too."""
+    check_generate uses too. The two runs are `train` commands under torchrun; logits and
+    generate run the commands' computation in the warm 2-rank world (tests/export/_inference.py)."""
     from megatron_lora.export.to_peft import export_peft
     from tests.data.tiny_tokenizers import mistral_folder
 
@@ -150,8 +152,8 @@ def train_and_export(paths: dict, hf: str, targets, extra=(),
     out["exported"] = out[layouts[0][0]]  # the run of the first layout
     export_peft(out["exported"], out["peft"], hf_config=hf)
     out["logits"] = os.path.join(root, "logits.safetensors")
-    run("logits", "--load-hf", hf, "--adapter", out["exported"], "--tokens", paths["tokens"], "--out",
-        out["logits"], *infer, nproc=2)
+    inference.logits(["--load-hf", hf, "--adapter", out["exported"], "--tokens", paths["tokens"],
+                      "--out", out["logits"], *infer])
     return out
 
 
@@ -230,14 +232,14 @@ def _peft_greedy(trained: dict):
 
 
 def check_generate(trained: dict, tmp: str) -> None:
-    """Greedy `generate --adapter` at TP2+SP (train_and_export's `infer` flags) gives the tokens
-    of a greedy loop over transformers + PEFT forwards."""
+    """Greedy `generate --adapter` at TP2+SP (train_and_export's `infer` flags; in the warm
+    2-rank world) gives the tokens of a greedy loop over transformers + PEFT forwards."""
     prompts, out = os.path.join(tmp, "prompts.jsonl"), os.path.join(tmp, "out.jsonl")
     with open(prompts, "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in PROMPTS)
-    run("generate", "--load-hf", trained["hf"], "--adapter", trained["exported"], "--tokenizer",
-        trained["tok"], "--prompts", prompts, "--out", out, "--max-new-tokens", str(NEW_TOKENS),
-        *trained["infer"], nproc=2)
+    inference.generate(["--load-hf", trained["hf"], "--adapter", trained["exported"],
+                        "--tokenizer", trained["tok"], "--prompts", prompts, "--out", out,
+                        "--max-new-tokens", str(NEW_TOKENS), *trained["infer"]])
     rows = [json.loads(line) for line in open(out)]
     assert [r["token_ids"] for r in rows] == _peft_greedy(trained)
 

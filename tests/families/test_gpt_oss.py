@@ -406,10 +406,10 @@ def test_what_peft_cannot_express_is_refused_naming_the_flag(oss, tmp_path):
 
 
 def test_greedy_generate_past_the_window_is_transformers(oss, tmp_path):
-    """Greedy `generate` at TP2+SP (ETP1; KV-cache steps padded to the TP size, past an
-    18-token prompt with a window of 5) gives the tokens of a greedy loop over transformers'
-    forwards. Before SDPAttention kept such steps causal, the first prompt diverged at its
-    second new token."""
+    """Greedy `generate` at TP2+SP (ETP1, in the warm world; KV-cache steps padded to the TP
+    size, past an 18-token prompt with a window of 5) gives the tokens of a greedy loop over
+    transformers' forwards. Before SDPAttention kept such steps causal, the first prompt
+    diverged at its second new token."""
     from transformers import AutoTokenizer
 
     from tests.data.tiny_tokenizers import mistral_folder
@@ -420,9 +420,9 @@ def test_greedy_generate_past_the_window_is_transformers(oss, tmp_path):
     path, out = str(tmp_path / "prompts.jsonl"), str(tmp_path / "out.jsonl")
     with open(path, "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in prompts)
-    F.run("generate", "--load-hf", oss["hf"], "--tokenizer", tok_dir, "--prompts", path,
-          "--out", out, "--max-new-tokens", "8", "--tensor-model-parallel-size", "2",
-          "--sequence-parallel", "--expert-tensor-parallel-size", "1", nproc=2)
+    F.inference.generate(["--load-hf", oss["hf"], "--tokenizer", tok_dir, "--prompts", path,
+                          "--out", out, "--max-new-tokens", "8", "--tensor-model-parallel-size",
+                          "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"])
     rows = [json.loads(line) for line in open(out)]
     tok, model = AutoTokenizer.from_pretrained(tok_dir), F.hf_model(oss["hf"])
     with torch.no_grad():

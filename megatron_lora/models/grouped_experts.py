@@ -204,8 +204,12 @@ class GroupedExperts(SequentialMLP):
         # CPU: fc1 -> activation -> fc2 a cache-sized run of experts at a time, so that each
         # run's [rows, 2f] intermediate is read back from cache, not memory (forward and, its
         # autograd nodes being per run, backward alike).
-        outs = [self._rows(x[r0:r1], probs[r0:r1], counts[e0:e1], e0, r0)
-                for e0, e1, r0, r1 in chunks]
+        # torch.split, not slicing: a slice's backward writes its gradient into a zero tensor of
+        # the whole input, once per run; split's backward concatenates the runs' gradients once.
+        sizes = [r1 - r0 for _, _, r0, r1 in chunks]
+        outs = [self._rows(xs, ps, counts[e0:e1], e0, r0)
+                for (e0, e1, r0, _), xs, ps in zip(chunks, torch.split(x, sizes),
+                                                  torch.split(probs, sizes))]
         return torch.cat(outs), None
 
     def _rows_per_chunk(self, x: torch.Tensor) -> Optional[int]:

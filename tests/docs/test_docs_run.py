@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -62,8 +63,13 @@ def _run_page(page: str, folder) -> subprocess.CompletedProcess:
     for name in LINKED:
         os.symlink(os.path.join(ROOT, name), folder / name)
     script = "set -euo pipefail\n" + "\n".join(_blocks(os.path.join(ROOT, page), "bash"))
+    # Two pages run side by side: torchrun picks its own port (PET_STANDALONE), and a page's
+    # one-process commands (which default to a fixed MASTER_PORT) get a port of the page's own.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-               PET_STANDALONE="1")
+               PET_STANDALONE="1", MASTER_PORT=str(port))
     return subprocess.run(["bash", "-c", script], cwd=str(folder), env=env, capture_output=True,
                           text=True, timeout=int(os.environ.get("MLORA_DOCS_TIMEOUT", "900")))
 

@@ -21,7 +21,8 @@ self time):
   the trainable parameters', i.e. "lora").
 - the optimizer's step and gradient zeroing run in an "optimizer" range.
 What no range covers (megatron's gradient finalisation, the autograd engine and Python between
-ops) is "other". Ends with one JSON line: each part's share of the step and step_s.
+ops) is "other". Ends with one JSON line: each part's share of the step, step_s, and
+unclaimed_op_share (the profiled ops' own time no part claimed, without the wall clock's rest).
 """
 
 from __future__ import annotations
@@ -211,9 +212,13 @@ def profile(args) -> dict:
     for h in handles:
         h.close() if isinstance(h, _Restore) else h.remove()
     seconds = attribute(prof.events())
+    # the share of the profiled ops' own time that no part claimed (the wall clock's remainder,
+    # Python between ops, is added to "other" after)
+    unclaimed = seconds.get("other", 0.0) / max(sum(seconds.values()), 1e-12)
     seconds["other"] = seconds.get("other", 0.0) + max(0.0, wall - sum(seconds.values()))
     runtime.shutdown()
-    return {"step_s": wall / args.steps, "seconds": seconds, "wall": wall}
+    return {"step_s": wall / args.steps, "seconds": seconds, "wall": wall,
+            "unclaimed_op_share": unclaimed}
 
 
 ORDER = ["attention (core)", "attention (projections, rope)", "router",
@@ -256,7 +261,8 @@ def main(argv=None) -> int:
         s = result["seconds"].get(part, 0.0)
         shares[part] = round(s / total, 4)
         print(f"{part:32s} {1e3 * s / args.steps:8.1f} {100 * s / total:6.1f}%")
-    print(json.dumps({"step_s": round(result["step_s"], 4), "shares": shares}))
+    print(json.dumps({"step_s": round(result["step_s"], 4), "shares": shares,
+                      "unclaimed_op_share": round(result["unclaimed_op_share"], 4)}))
     return 0
 
 

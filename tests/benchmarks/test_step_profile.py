@@ -1,6 +1,6 @@
 """benchmarks/step_profile.py runs end to end on a tiny model (`--tiny`) and accounts for the
-step: every part of the model it names gets time, the shares add up to one, and the attributed
-parts (not "other") hold at least 85% of it, so a broken attribution (ops left unclaimed) shows."""
+step: every part of the model it names gets time, the shares add up to one, and the parts claim
+at least 85% of the profiled ops' own time, so a broken attribution (ops left unclaimed) shows."""
 
 import json
 import os
@@ -24,4 +24,6 @@ def test_step_profile_attributes_the_step_on_cpu():
                  "dispatcher (permute, combine)", "experts (base)", "lora", "norms",
                  "output layer + loss", "optimizer"):
         assert shares[part] > 0, (part, shares)
-    assert shares["other"] < 0.15, shares
+    # the ops' own time no part claimed (the wall clock's rest, Python between ops, varies with
+    # the machine's load and is not checked): about 3% measured, 21% with the backward ops unattributed
+    assert result["unclaimed_op_share"] < 0.15, result

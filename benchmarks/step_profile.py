@@ -230,19 +230,10 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from train import make_model
+    from train import add_model_args, make_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--targets", nargs="+",
-                   default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    add_model_args(p, steps=3)
     p.add_argument("--tiny", action="store_true", help="a tiny model (a smoke test)")
     args = p.parse_args(argv)
     if args.tiny:

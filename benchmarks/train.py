@@ -43,6 +43,20 @@ def batches(vocab: int, batch: int, seq: int, steps: int):
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
 
 
+def add_model_args(p, steps: int) -> None:
+    """The model, batch and LoRA flags this benchmark and step_profile.py share."""
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--targets", nargs="+",
+                   default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
 def build_ours(args, port: int = 29541):
     """(info, wrapped model chunks, optimizer): the small Mixtral at args.hf, LoRA on
     args.targets, megatron-core's DDP and optimizer, world size 1 (also step_profile.py's)."""
@@ -131,17 +145,8 @@ def child(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=6)
+    add_model_args(p, steps=6)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--targets", nargs="+",
-                   default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     p.add_argument("--side", choices=["ours", "peft"], default=None)
     p.add_argument("--hf", default=None)
     args = p.parse_args()

@@ -12,6 +12,7 @@ from typing import Tuple
 
 from megatron_lora.families.family import Family, HFNames, ModelInfo
 from megatron_lora.families.fields import Fields, ModelConfigError
+from megatron_lora.families.deepseek_v3 import DEEPSEEK_V2, DEEPSEEK_V3
 from megatron_lora.families.glm4_moe import GLM4_MOE
 from megatron_lora.families.gpt_oss import GPT_OSS
 from megatron_lora.families.mixtral import MIXTRAL
@@ -23,7 +24,8 @@ from megatron_lora.families.shape import (VOCAB_MULTIPLE, ModelShape, padded_voc
 from megatron_lora.jsonfile import json_value, read_json
 from megatron_lora.runtime.folder_files import folder_file
 
-FAMILIES: Tuple[Family, ...] = (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, GPT_OSS, GLM4_MOE)
+FAMILIES: Tuple[Family, ...] = (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, GPT_OSS, GLM4_MOE,
+                                DEEPSEEK_V3, DEEPSEEK_V2)
 
 __all__ = ["FAMILIES", "Family", "HFNames", "ModelInfo", "ModelConfigError", "ModelShape",
            "VOCAB_MULTIPLE", "family_of", "model_info", "padded_vocab_size", "read_hf_config",

@@ -209,3 +209,34 @@ def moe_sizes(f: Fields, ffn_field: str, experts: Callable[[Fields], int], eps: 
     if norm_topk_prob:
         sizes["moe_router_pre_softmax"] = not f.get("norm_topk_prob", bool, default=False)
     return sizes
+
+
+def sigmoid_group_routing(f: Fields, experts: int, topk: int) -> dict:
+    """The ModelShape router fields of transformers' sigmoid top-k routers with a score-correction
+    bias (Glm4MoeTopkRouter, DeepseekV3TopkRouter: `norm_topk_prob`, `n_group`, `topk_group`,
+    `routed_scaling_factor`), or ModelConfigError naming the field megatron-core's sigmoid router
+    cannot follow."""
+    norm = f.get("norm_topk_prob", bool, default=True)
+    if norm != (topk > 1):
+        raise ModelConfigError(
+            f"{f.source}: field norm_topk_prob={str(norm).lower()} with num_experts_per_tok={topk}: "
+            f"megatron-core renormalises the sigmoid scores exactly when more than one expert "
+            f"is chosen; only norm_topk_prob={str(topk > 1).lower()} is supported here")
+    groups = f.integer("n_group", default=1)
+    keep = f.integer("topk_group", default=1)
+    if experts % groups:
+        raise f.bad("n_group", f"must divide the {experts} experts (n_routed_experts)", groups)
+    if keep > groups:
+        raise f.bad("topk_group", f"must be at most n_group={groups}", keep)
+    out = dict(moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+               moe_router_topk_scaling_factor=float(f.number("routed_scaling_factor",
+                                                             default=1.0)))
+    if keep < groups:  # with every group kept, group routing is plain top-k
+        if experts // groups < 2 or topk // keep != 2:
+            raise ModelConfigError(
+                f"{f.source}: field topk_group={keep} (n_group={groups}, num_experts_per_tok="
+                f"{topk}): megatron-core scores a group by its top num_experts_per_tok / "
+                f"topk_group experts, transformers by its top 2; only configs where that is 2 "
+                f"(and every group has 2 or more experts) are supported")
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=keep)
+    return out

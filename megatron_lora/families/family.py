@@ -23,7 +23,8 @@ from megatron_lora.runtime.layout import LayoutError, ParallelLayout
 class HFNames:
     """Tensor names of a family's Hugging Face checkpoint on disk: `{l}` is the layer index,
     `{e}` the expert index; per-layer names are relative to `layer`, per-expert names to
-    `expert` (itself relative to `layer`)."""
+    `expert` (itself relative to `layer`). `mla`: the attention is multi-latent (q_a / q_b, or
+    q for a model without q_lora_rank, kv_a / kv_b and their norms) instead of q / k / v."""
 
     router: str
     expert: str
@@ -46,12 +47,21 @@ class HFNames:
     post_attention_norm: str = "post_attention_layernorm.weight"
     final_norm: str = "model.norm.weight"
     output: str = "lm_head.weight"
+    mla: bool = False
+    q_a: str = "self_attn.q_a_proj.weight"
+    q_a_norm: str = "self_attn.q_a_layernorm.weight"
+    q_b: str = "self_attn.q_b_proj.weight"
+    kv_a: str = "self_attn.kv_a_proj_with_mqa.weight"
+    kv_a_norm: str = "self_attn.kv_a_layernorm.weight"
+    kv_b: str = "self_attn.kv_b_proj.weight"
 
     def kind_modules(self) -> Dict[str, Tuple[str, ...]]:
         """{adapter kind (lora.targets): the short HF module names it covers, in row order} -
         PEFT's `target_modules` names of each kind."""
         s = _short
-        return {"embedding": (s(self.embedding),), "linear_qkv": (s(self.q), s(self.k), s(self.v)),
+        qkv = (tuple(s(n) for n in (self.q_a, self.q_b, self.q, self.kv_a, self.kv_b)) if self.mla
+               else (s(self.q), s(self.k), s(self.v)))
+        return {"embedding": (s(self.embedding),), "linear_qkv": qkv,
                 "linear_proj": (s(self.o),), "router": (s(self.router),),
                 "linear_fc1": (s(self.expert_gate), s(self.expert_up)),
                 "linear_fc2": (s(self.expert_down),), "output_layer": (s(self.output),)}

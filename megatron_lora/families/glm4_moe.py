@@ -27,7 +27,7 @@ token or true with one (megatron renormalises the sigmoid scores exactly when to
 from __future__ import annotations
 
 from megatron_lora.families.common import (dense_layers, make_shape, moe_sizes, read_activation,
-                                           read_dtype, read_rope_theta)
+                                           read_dtype, read_rope_theta, sigmoid_group_routing)
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
 from megatron_lora.jsonfile import short
@@ -55,35 +55,6 @@ def _first_dense(f: Fields, num_layers: int) -> list:
     return [int(l >= k) for l in range(num_layers)]
 
 
-def _routing(f: Fields, experts: int, topk: int) -> dict:
-    """The ModelShape router fields of transformers' Glm4MoeTopkRouter, or ModelConfigError
-    naming the field megatron-core's sigmoid router cannot follow."""
-    norm = f.get("norm_topk_prob", bool, default=True)
-    if norm != (topk > 1):
-        raise ModelConfigError(
-            f"{f.source}: field norm_topk_prob={str(norm).lower()} with num_experts_per_tok={topk}: "
-            f"megatron-core renormalises the sigmoid scores exactly when more than one expert "
-            f"is chosen; only norm_topk_prob={str(topk > 1).lower()} is supported here")
-    groups = f.integer("n_group", default=1)
-    keep = f.integer("topk_group", default=1)
-    if experts % groups:
-        raise f.bad("n_group", f"must divide the {experts} experts (n_routed_experts)", groups)
-    if keep > groups:
-        raise f.bad("topk_group", f"must be at most n_group={groups}", keep)
-    out = dict(moe_router_score_function="sigmoid", moe_router_expert_bias=True,
-               moe_router_topk_scaling_factor=float(f.number("routed_scaling_factor",
-                                                             default=1.0)))
-    if keep < groups:  # with every group kept, group routing is plain top-k
-        if experts // groups < 2 or topk // keep != 2:
-            raise ModelConfigError(
-                f"{f.source}: field topk_group={keep} (n_group={groups}, num_experts_per_tok="
-                f"{topk}): megatron-core scores a group by its top num_experts_per_tok / "
-                f"topk_group experts, transformers by its top 2; only configs where that is 2 "
-                f"(and every group has 2 or more experts) are supported")
-        out.update(moe_router_num_groups=groups, moe_router_group_topk=keep)
-    return out
-
-
 def read(f: Fields, cfg: dict):
     heads = f.integer("num_attention_heads")
     hidden = f.integer("hidden_size")
@@ -100,7 +71,7 @@ def read(f: Fields, cfg: dict):
     f.get("num_nextn_predict_layers", int, default=0)  # typed; the layers are skipped
     experts = lambda g: g.integer("n_routed_experts")  # noqa: E731
     sizes = moe_sizes(f, "moe_intermediate_size", experts, 1e-5, norm_topk_prob=False)
-    sizes.update(_routing(f, sizes["num_experts"], sizes["moe_router_topk"]))
+    sizes.update(sigmoid_group_routing(f, sizes["num_experts"], sizes["moe_router_topk"]))
     sizes["shared_expert_ffn_hidden_size"] = (sizes["ffn_hidden_size"]
                                               * f.integer("n_shared_experts", default=1))
     sizes.update(dense_layers(f, _first_dense(f, sizes["num_layers"])))

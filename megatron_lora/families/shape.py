@@ -57,6 +57,45 @@ class YarnRope:
         return self.get_mscale(self.factor)
 
 
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-latent attention sizes (DeepSeek-V2/V3; megatron's MLATransformerConfig names, HF's
+    in brackets).
+
+    q_lora_rank: the query's latent width (q_a_proj's rows); None: one q projection from the
+        hidden state (DeepSeek-V2-Lite's q_proj).
+    kv_lora_rank: the key/value latent width (kv_a_proj_with_mqa's first rows).
+    qk_head_dim: per head, the query/key channels without rope (qk_nope_head_dim).
+    qk_pos_emb_head_dim: per head, the rope channels (qk_rope_head_dim), one key part shared by
+        every head.
+    v_head_dim: per head, the value channels (may differ from qk_head_dim + qk_pos_emb_head_dim).
+    rope_interleaved: the checkpoint's rope channels rotate adjacent pairs (HF rope_interleave,
+        DeepSeek's own layout); False: rotate-half order, permuted on conversion (models/mla.py).
+    """
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MlaShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"MlaShape.q_lora_rank must be >= 1 or None, got {self.q_lora_rank}")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"MlaShape.qk_pos_emb_head_dim must be even (rope rotates pairs), "
+                             f"got {self.qk_pos_emb_head_dim}")
+
+    @property
+    def q_head_dim(self) -> int:
+        """Channels per query/key head (nope + rope)."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     """Smallest multiple of `multiple` that is >= vocab_size (layout independent)."""
     return -(-vocab_size // multiple) * multiple
@@ -101,7 +140,10 @@ class ModelShape:
     rotary_percent: RoPE on the first rotary_percent of each head's channels (rotate-half, not
     interleaved), the rest passed through (HF `partial_rotary_factor`).
     yarn: YaRN-scaled RoPE over the whole head (megatron's position_embedding_type "yarn",
-    models/gpt.py); None: plain RoPE of `rotary_base`.
+    models/gpt.py; with `mla`, over the rope channels); None: plain RoPE of `rotary_base`.
+    mla: multi-latent attention (MlaShape) instead of grouped-query attention: then
+    num_query_groups equals num_attention_heads, head_dim is the query/key head (nope + rope),
+    and there are no q/k/v biases nor q/k norms; None: grouped-query attention.
     """
 
     vocab_size: int
@@ -138,6 +180,7 @@ class ModelShape:
     moe_router_topk_scaling_factor: Optional[float] = None
     rotary_percent: float = 1.0
     yarn: Optional[YarnRope] = None
+    mla: Optional[MlaShape] = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -147,7 +190,7 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ValueError(f"ModelShape.kv_channels must be >= 1, got {self.kv_channels}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.mla is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"ModelShape.hidden_size={self.hidden_size} is not a multiple of "
                 f"num_attention_heads={self.num_attention_heads}"
@@ -166,6 +209,10 @@ class ModelShape:
             )
         if isinstance(self.yarn, dict):  # asdict() read back
             object.__setattr__(self, "yarn", YarnRope(**self.yarn))
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MlaShape(**self.mla))
+        if self.mla is not None:
+            self._check_mla()
         if self.yarn is not None and self.rotary_percent != 1.0:
             # megatron's YarnRotaryEmbedding rotates the whole head (it ignores rotary_percent)
             raise ValueError("ModelShape.yarn needs rotary_percent 1 (YaRN on part of each head "
@@ -184,6 +231,20 @@ class ModelShape:
                 f"({self.num_layers}), got {self.window_layers!r}"
             )
         self._check_layer_pattern()
+
+    def _check_mla(self) -> None:
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError(f"ModelShape.mla needs num_query_groups == num_attention_heads "
+                             f"({self.num_attention_heads}), got {self.num_query_groups}")
+        clashes = [name for name in ("qk_layernorm", "add_qkv_bias", "add_bias_linear",
+                                     "attention_sinks") if getattr(self, name)]
+        if clashes or self.rotary_percent != 1.0 or self.sliding_window is not None:
+            what = ", ".join(clashes) or "partial rotary or a sliding window"
+            raise ValueError(f"ModelShape.mla does not go with {what} (multi-latent attention "
+                             f"has none of them)")
+        if self.kv_channels not in (None, self.mla.q_head_dim):
+            raise ValueError(f"ModelShape.kv_channels with mla must be None or "
+                             f"qk_head_dim + qk_pos_emb_head_dim = {self.mla.q_head_dim}")
 
     def _check_layer_pattern(self) -> None:
         pattern = self.moe_layer_pattern
@@ -215,7 +276,9 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head (megatron's kv_channels)."""
+        """Channels per attention head (megatron's kv_channels); with mla, per query/key head."""
+        if self.mla is not None:
+            return self.mla.q_head_dim
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def qk_norm_widths(self) -> tuple:

@@ -39,7 +39,8 @@ def test_an_unsupported_family_is_refused_listing_the_supported(tmp_path):
         f"{path}: architectures=['LlamaForCausalLM'] (model_type='llama') is not a supported "
         f"model family; supported: mixtral (MixtralForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), "
         f"qwen2_moe (Qwen2MoeForCausalLM), olmoe (OlmoeForCausalLM), gpt_oss (GptOssForCausalLM), "
-        f"glm4_moe (Glm4MoeForCausalLM)")
+        f"glm4_moe (Glm4MoeForCausalLM), deepseek_v3 (DeepseekV3ForCausalLM), deepseek_v2 "
+        f"(DeepseekV2ForCausalLM)")
 
 
 def test_mixtral_names_are_its_checkpoint_names():

@@ -10,14 +10,33 @@ Counts (bytes per GPU, bf16 model):
               their own MLP, counted on the stage holding the most MoE layers;
               with --base-quantization nf4 the decoder linears (attention, experts, shared
               experts) at NF4's 0.5 + 1/64 + 4/16384 bytes per parameter (4-bit codes, one
-              uint8 scale per 64, one fp32 per 256 scales), router, norms, embeddings in bf16
-  adapters    LoRA factors held by the GPU, bf16
+              uint8 scale per 64, one fp32 per 256 scales), router, norms, embeddings in bf16;
+              a sigmoid router's expert bias (GLM-4.5, DeepSeek-V3): [E] fp32, whole on every
+              rank of its stage
+              multi-latent attention (DeepSeek-V3/V2, models/mla.py): per layer
+              linear_q_down_proj [q_lora_rank, h] and linear_kv_down_proj [kv_lora_rank + rope,
+              h] (column-parallel: rows / TP), linear_q_up_proj [n (nope + rope), q_lora_rank]
+              (or linear_q_proj [n (nope + rope), h]) and linear_kv_up_proj [n (nope + v),
+              kv_lora_rank] (heads / TP), linear_proj [h, n v] (its input / TP), all of them
+              NF4 with --base-quantization nf4; the latent norms q_layernorm [q_lora_rank] and
+              kv_layernorm [kv_lora_rank] whole on every TP rank
+  adapters    LoRA factors held by the GPU, bf16; with multi-latent attention `linear_qkv` in
+              the targets stands for all its q/kv projections (down and up), each adapted
   optimizer   per adapter parameter: fp32 main copy + Adam m, v + fp32 grad = 16 bytes
   activations one micro-batch, flash attention (TE; --unfused-attention adds megatron's local
               attention's s x s scores), sequence parallel when TP > 1, no
               recomputation: per layer 2*s*b*h*(5 attention inputs/outputs + 2*k*(1 + 3*f/h)
               expert tokens*k through fc1/act/fc2) / TP, times layers per stage times the 1F1B
               in-flight micro-batches (PP on the first stage)
+              multi-latent attention replaces the 5 h of attention by, per token (elements,
+              / TP): the layer input and its norm's output (2 h); the q latent and its norm's
+              output (2 q_lora_rank; none without q_lora_rank); the kv latent with the rope key
+              and its norm's output (2 kv_lora_rank + rope); the q and kv up projections'
+              outputs (n (nope + rope) + n (nope + v), kept by the rope's views of them); q, k
+              and v as the attention kernel keeps them, zero-padded to one head size w = max(nope
+              + rope, v) (3 n w, models/attention.py SDPAttention); the kernel's output (n w)
+              and linear_proj's input (n v); linear_proj's output (h); --unfused-attention is
+              refused (MLA runs on SDPAttention only)
               --recompute-granularity full (uniform, 1 layer per chunk): each layer keeps only
               its input [s/TP, b, h] in bf16, plus one layer's full activations while it is
               recomputed in backward; selective (core_attn): the s x s scores of
@@ -36,6 +55,53 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per parameter of an NF4 linear (models/nf4.py)
+# Multi-latent attention's q/kv projections (megatron's names); `linear_qkv` stands for them all.
+MLA_INPUT_KINDS = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj",
+                   "linear_kv_down_proj", "linear_kv_up_proj")
+
+
+def mla_linears(shape) -> dict:
+    """{megatron name: (out_features, in_features)} of one multi-latent attention layer's linears
+    (global shapes; the table of models/mla.py)."""
+    m, h, n = shape.mla, shape.hidden_size, shape.num_attention_heads
+    out = {}
+    if m.q_lora_rank:
+        out["linear_q_down_proj"] = (m.q_lora_rank, h)
+        out["linear_q_up_proj"] = (n * m.q_head_dim, m.q_lora_rank)
+    else:
+        out["linear_q_proj"] = (n * m.q_head_dim, h)
+    out["linear_kv_down_proj"] = (m.kv_lora_rank + m.qk_pos_emb_head_dim, h)
+    out["linear_kv_up_proj"] = (n * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank)
+    out["linear_proj"] = (h, n * m.v_head_dim)
+    return out
+
+
+def mla_activation_elements(shape) -> int:
+    """Elements one token of one layer's multi-latent attention keeps for backward, every TP rank
+    together (the module docstring lists them)."""
+    m, h, n = shape.mla, shape.hidden_size, shape.num_attention_heads
+    width = max(m.q_head_dim, m.v_head_dim)  # SDPAttention's one head size
+    latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim
+    up = n * m.q_head_dim + n * (m.qk_head_dim + m.v_head_dim)
+    return 2 * h + latents + up + 3 * n * width + n * width + n * m.v_head_dim + h
+
+
+def _attention(s, r: int, targets) -> tuple:
+    """(linear parameters, parameters whole on every TP rank, LoRA parameters, activation
+    elements per token) of one layer's attention, every TP rank together."""
+    h, heads, kv, d = s.hidden_size, s.num_attention_heads, s.num_query_groups, s.head_dim
+    if s.mla is None:
+        qkv = h * (heads + 2 * kv) * d
+        lora = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
+                + ("linear_proj" in targets) * (r * heads * d + h * r))
+        return qkv + heads * d * h, 0, lora, 5 * h
+    linears = mla_linears(s)
+    adapted = [name for name in linears if name in targets or (
+        name in MLA_INPUT_KINDS and "linear_qkv" in targets)]
+    lora = sum(r * sum(linears[name]) for name in adapted)
+    norms = (s.mla.q_lora_rank or 0) + s.mla.kv_lora_rank
+    return (sum(o * i for o, i in linears.values()), norms, lora,
+            mla_activation_elements(s))
 
 
 def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: int,
@@ -58,11 +124,17 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     pattern = s.moe_layer_pattern or (1,) * layers
     moe = max(sum(pattern[i:i + per_stage]) for i in range(0, layers, per_stage))  # the largest
     dense = per_stage - moe  # stage's: its MoE layers and the dense ones beside them
-    qkv = h * (heads + 2 * kv) * d
-    attn = qkv + heads * d * h
+    if s.mla is not None and unfused_attention:
+        raise ValueError("--unfused-attention: multi-latent attention runs on SDPAttention only "
+                         "(models/mla.py); drop the flag")
+    r = rank
+    attn, attn_whole, lora_attn, attn_act = _attention(s, r, targets)
     expert = 3 * h * f
     linears = per_stage * attn + moe * 3 * h * fs + dense * 3 * h * fd  # dense decoder linears
-    other = moe * (experts * h + h * s.shared_expert_gate) + per_stage * 2 * h  # router, norms
+    other = (moe * (experts * h + h * s.shared_expert_gate) + per_stage * 2 * h  # router, norms
+             + h)  # the final norm
+    whole = per_stage * attn_whole  # MLA's latent norms: on every TP rank
+    fp32 = moe * experts * s.moe_router_expert_bias  # the routers' expert bias
     expert_other = 0  # per expert, beside its linears
     if s.add_bias_linear:  # q/k/v and sinks (TP-sharded), o and router (whole on each TP rank)
         other += (per_stage * ((heads + 2 * kv) * d + heads * s.attention_sinks + h * tp)
@@ -71,10 +143,7 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     linear_bytes = NF4_BYTES if base_quantization == "nf4" else 2
     weights = ((linears / tp + moe * experts * expert / (ep * etp)) * linear_bytes
                + (other / tp + moe * experts * expert_other / ep
-                  + vocab * h / tp * (2 if pp == 1 else 1)) * 2)
-    r = rank
-    lora_attn = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
-                 + ("linear_proj" in targets) * (r * heads * d + h * r))
+                  + vocab * h / tp * (2 if pp == 1 else 1) + whole) * 2 + fp32 * 4)
     fc1, fc2 = "linear_fc1" in targets, "linear_fc2" in targets
 
     def lora_mlp(width):  # fc1 [2 width, h] and fc2 [h, width] adapters of one SwiGLU
@@ -85,7 +154,7 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     adapter_params = lora_dense / tp + moe * experts * lora_mlp(f) / (ep * etp)
 
     def act(width_moe):  # one layer's activations: attention, then its MLP's tokens
-        return 2 * seq * micro_batch * h * (5 + width_moe) / tp
+        return 2 * seq * micro_batch * (attn_act + h * width_moe) / tp
 
     act_moe = act(2 * k * (1 + 3 * f / h) + (1 + 3 * fs / h) * (fs > 0))
     act_dense = act(1 + 3 * fd / h)
@@ -122,17 +191,21 @@ def main() -> None:
     args = p.parse_args()
     cfg = json.load(open(args.hf_config))
     gib = 2 ** 30
+    rows = []
+    for name in args.layouts:  # every estimate first: a refusal prints no table
+        layout = ParallelLayout.parse(name)
+        try:
+            e = estimate(cfg, layout, args.world, args.seq, args.micro_batch_size, args.rank,
+                         unfused_attention=args.unfused_attention,
+                         recompute=args.recompute_granularity,
+                         base_quantization=args.base_quantization)
+        except ValueError as err:  # a refused config or flag: one line
+            p.error(f"{args.hf_config}: {err}")
+        rows.append(f"| {name} | " + " | ".join(f"{v / gib:.1f} GiB" for v in e.values())
+                    + f" | {sum(e.values()) / gib:.1f} GiB |")
     print(f"| layout (world {args.world}) | weights | adapters | optimizer | activations | total |")
     print("|---|---|---|---|---|---|")
-    for name in args.layouts:
-        layout = ParallelLayout.parse(name)
-        e = estimate(cfg, layout, args.world, args.seq, args.micro_batch_size, args.rank,
-                     unfused_attention=args.unfused_attention,
-                     recompute=args.recompute_granularity,
-                     base_quantization=args.base_quantization)
-        total = sum(e.values())
-        print(f"| {name} | " + " | ".join(f"{v / gib:.1f} GiB" for v in e.values())
-              + f" | {total / gib:.1f} GiB |")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

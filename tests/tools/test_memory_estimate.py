@@ -1,9 +1,11 @@
 """tools/memory_estimate.py reads any supported family's config.json: its weights count equals
 the published parameter totals (Mixtral 8x7B: 46.7B; Qwen3-30B-A3B: 30.5B; Qwen3-235B-A22B:
 235B; GLM-4.5-Air: 106B, its dense first layer counted with its own MLP; gpt-oss-20b: 20.91B;
-gpt-oss-120b: 116.83B, with their biases and sinks) at one GPU, shrinks as the layout shards it,
-and counts a shared expert; the tables of examples/glm4_moe/README.md are the output of the
-commands shown above them."""
+gpt-oss-120b: 116.83B, with their biases and sinks; DeepSeek-V3: 671.0B without its
+multi-token-prediction layer) at one GPU, shrinks as the layout shards it, and counts a shared
+expert; multi-latent attention is counted tensor for tensor as transformers builds it (a tiny
+DeepSeek-V3 made from its config class), split over TP as models/mla.py splits it; the tables of
+examples/glm4_moe/README.md are the output of the commands shown above them."""
 
 import importlib.util
 import json
@@ -36,10 +38,11 @@ def _config(name):
                                              ("qwen3_moe/config_235b_a22b.json", 235.1),
                                              ("glm4_moe/config.json", 106.0),
                                              ("gpt_oss/config_20b.json", 20.91),
-                                             ("gpt_oss/config_120b.json", 116.83)])
+                                             ("gpt_oss/config_120b.json", 116.83),
+                                             ("deepseek_v3/config.json", 671.0)])
 def test_weights_at_one_gpu_are_the_published_parameter_count(config, billions):
     e = _estimate()(_config(config), ParallelLayout(), 1, 4096, 1, 16)
-    rel = 1e-3 if config.startswith("gpt_oss") else 0.01  # exact counts published
+    rel = 1e-3 if config.startswith(("gpt_oss", "deepseek")) else 0.01  # exact counts published
     assert e["weights"] / 2 / 1e9 == pytest.approx(billions, rel=rel)  # bf16: 2 bytes each
     sharded = _estimate()(_config(config), ParallelLayout(tp=2, ep=4, sp=True), 8, 4096, 1, 16)
     assert sharded["weights"] < e["weights"] / 4 and sharded["activations"] < e["activations"]
@@ -100,3 +103,102 @@ def test_a_dense_first_layer_is_counted_with_its_own_mlp():
     r = 16
     assert moe["adapters"] - dense["adapters"] == pytest.approx(
         2 * ((E + 1) * r * (2 * h + 3 * f) - r * (2 * h + 3 * F)))
+
+
+TINY_DEEPSEEK = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                     n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16, q_lora_rank=24,
+                     qk_rope_head_dim=4, v_head_dim=10, qk_nope_head_dim=8, n_group=2, topk_group=1,
+                     num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                     tie_word_embeddings=False)
+
+
+def _tiny_deepseek(**overrides):
+    """(config.json dict, {tensor name: numel}) of a tiny DeepSeek-V3 that transformers builds
+    from its config class (parameters and the routers' e_score_correction_bias buffers)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    config = DeepseekV3Config(**dict(TINY_DEEPSEEK, **overrides))
+    model = AutoModelForCausalLM.from_config(config)
+    tensors = {n: p.numel() for n, p in model.named_parameters()}
+    tensors.update({n: b.numel() for n, b in model.named_buffers()
+                    if n.endswith("e_score_correction_bias")})
+    return config.to_dict(), tensors
+
+
+@pytest.fixture(scope="module", params=[24, None], ids=["q_lora_rank", "q_proj"])
+def tiny_deepseek(request):
+    return _tiny_deepseek(q_lora_rank=request.param)
+
+
+def test_deepseek_weights_are_transformers_tensors(tiny_deepseek):
+    """Every tensor transformers' DeepseekV3ForCausalLM holds, bf16 (the expert bias fp32), at one
+    GPU; at TP2+SP each is halved but the q/kv latent norms and the expert bias, which every TP
+    rank holds whole (models/mla.py; the routers and layer norms are halved, as for every family)."""
+    cfg, tensors = tiny_deepseek
+    bias = sum(n for name, n in tensors.items() if name.endswith("e_score_correction_bias"))
+    whole = sum(n for name, n in tensors.items()
+                if name.endswith(("q_a_layernorm.weight", "kv_a_layernorm.weight")))
+    assert whole == 3 * (16 + (24 if cfg["q_lora_rank"] else 0))  # the names are transformers'
+    bf16 = sum(tensors.values()) - bias
+    one = _estimate()(cfg, ParallelLayout(), 1, 64, 1, 16)
+    assert one["weights"] == 2 * bf16 + 4 * bias
+    tp2 = _estimate()(cfg, ParallelLayout(tp=2, sp=True), 2, 64, 1, 16)
+    assert tp2["weights"] == 2 * (bf16 - whole) / 2 + 2 * whole + 4 * bias
+
+
+def test_deepseek_nf4_holds_every_decoder_linear(tiny_deepseek):
+    """--base-quantization nf4: every matrix of the decoder layers (the MLA projections, the
+    dense MLP, the experts and the shared expert) at NF4's bytes, the routers in bf16."""
+    cfg, tensors = tiny_deepseek
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**dict(
+        TINY_DEEPSEEK, q_lora_rank=cfg["q_lora_rank"])))
+    linears = sum(p.numel() for n, p in model.model.layers.named_parameters()
+                  if p.dim() >= 2 and not n.endswith("mlp.gate.weight"))
+    nf4_bytes = 0.5 + 1 / 64 + 4 / 16384
+    bf16 = _estimate()(cfg, ParallelLayout(), 1, 64, 1, 16)
+    nf4 = _estimate()(cfg, ParallelLayout(), 1, 64, 1, 16, base_quantization="nf4")
+    assert bf16["weights"] - nf4["weights"] == pytest.approx(linears * (2 - nf4_bytes), rel=1e-12)
+
+
+def test_deepseek_mla_activations_and_adapters_by_hand():
+    """One token of one MLA layer keeps (h 64, 4 heads, q_lora_rank 24, kv_lora_rank 16, rope 4,
+    nope 8, v 10; q/k heads of 12, v padded to 12): input and norm output 2 x 64, q latent and
+    its norm 2 x 24, kv latent + rope key and its norm 20 + 16, the up projections' outputs
+    4 x 12 + 4 x 18, q, k, v 3 x 4 x 12, the kernel's output 4 x 12, linear_proj's input 4 x 10,
+    its output 64 = 628 elements; the MLP's tokens as for every family (1 dense layer of 96, 2
+    MoE layers of top-2 of 32 and a shared expert of 32). `linear_qkv` adapts the four q/kv
+    projections, `linear_proj` the output."""
+    cfg, _ = _tiny_deepseek()
+    h, s, r = 64, 64, 16
+    moe_width = 2 * 2 * (1 + 3 * 32 / h) + (1 + 3 * 32 / h)
+    dense_width = 1 + 3 * 96 / h
+    e = _estimate()(cfg, ParallelLayout(), 1, s, 1, r)
+    assert e["activations"] == pytest.approx(
+        2 * s * (2 * (628 + h * moe_width) + (628 + h * dense_width)), rel=1e-12)
+    attention = r * ((24 + 64) + (48 + 24) + (20 + 64) + (72 + 16)) + r * (40 + 64)
+    only_attention = _estimate()(cfg, ParallelLayout(), 1, s, 1, r,
+                                 targets=("linear_qkv", "linear_proj"))
+    assert only_attention["adapters"] == 2 * 3 * attention
+    tp2 = _estimate()(cfg, ParallelLayout(tp=2, sp=True), 2, s, 1, r)
+    assert tp2["activations"] == pytest.approx(e["activations"] / 2, rel=1e-12)
+    with pytest.raises(ValueError, match="--unfused-attention: multi-latent attention"):
+        _estimate()(cfg, ParallelLayout(), 1, s, 1, r, unfused_attention=True)
+
+
+def test_deepseek_v3_bf16_needs_two_nodes_of_h200():
+    """examples/deepseek_v3/README.md's claim: no 8-GPU layout holds bf16 LoRA of DeepSeek-V3 in
+    an H200's 141 GB even with full recomputation; 16 GPUs (2 nodes) do."""
+    cfg = _config("deepseek_v3/config.json")
+    h200 = 141e9
+
+    def best(world, layouts):
+        return min(sum(_estimate()(cfg, ParallelLayout.parse(name), world, 4096, 1, 16,
+                                   recompute="full").values()) for name in layouts)
+
+    one_node = ["TP1xEP8", "TP2xEP4+SP", "TP4xEP2+SP", "TP8xEP1+SP", "TP2xEP8xETP1+SP",
+                "TP4xEP8xETP1+SP", "TP8xEP8xETP1+SP"]
+    assert best(8, one_node) > h200
+    assert best(16, ["TP8xEP16xETP1+SP"]) < 0.7 * h200

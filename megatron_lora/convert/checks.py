@@ -83,7 +83,37 @@ def expected_shapes(info: ModelInfo) -> Dict[str, Dims]:
         out[_ATTN + "core_attention.softmax_offset"] = (layers, (n, f"num_attention_heads={n}"))
     if not s.tie_embeddings:
         out["output_layer.weight"] = (vocab, hid)
+    if s.mla is not None:
+        for key in [k for k in out if k.startswith(_ATTN)]:
+            del out[key]
+        out.update(_mla_shapes(info, layers, hid))
     return _per_layer(info, out) if s.per_layer_keys else out
+
+
+def _mla_shapes(info: ModelInfo, layers, hid) -> Dict[str, Dims]:
+    """The multi-latent attention tensors' shapes (convert/mla_tensors.py), labelled."""
+    m, n = info.shape.mla, info.shape.num_attention_heads
+    heads = f"num_attention_heads={n}"
+    q, kv = (m.q_lora_rank, f"q_lora_rank={m.q_lora_rank}"), (m.kv_lora_rank,
+                                                               f"kv_lora_rank={m.kv_lora_rank}")
+    rope = f"qk_rope_head_dim={m.qk_pos_emb_head_dim}"
+    q_rows = (n * m.q_head_dim, f"{heads} x (qk_nope_head_dim={m.qk_head_dim} + {rope})")
+    out = {"decoder.layers.input_layernorm.weight": (layers, hid),
+           _ATTN + "linear_kv_down_proj.weight": (
+               layers, (m.kv_lora_rank + m.qk_pos_emb_head_dim, f"{kv[1]} + {rope}"), hid),
+           _ATTN + "linear_kv_up_proj.layer_norm_weight": (layers, kv),
+           _ATTN + "linear_kv_up_proj.weight": (
+               layers, (n * (m.qk_head_dim + m.v_head_dim), f"{heads} x (qk_nope_head_dim="
+                        f"{m.qk_head_dim} + v_head_dim={m.v_head_dim})"), kv),
+           _ATTN + "linear_proj.weight": (
+               layers, hid, (n * m.v_head_dim, f"{heads} x v_head_dim={m.v_head_dim}"))}
+    if m.q_lora_rank is None:
+        out[_ATTN + "linear_q_proj.weight"] = (layers, q_rows, hid)
+    else:
+        out.update({_ATTN + "linear_q_down_proj.weight": (layers, q, hid),
+                    _ATTN + "linear_q_up_proj.layer_norm_weight": (layers, q),
+                    _ATTN + "linear_q_up_proj.weight": (layers, q_rows, q)})
+    return out
 
 
 _DENSE_ONLY = (_MLP + "linear_fc1.weight", _MLP + "linear_fc2.weight")
@@ -182,6 +212,8 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
         attention += _ceil((n + 2 * g) * d, tp) * (not s.add_qkv_bias) + h
     if s.attention_sinks:
         attention += _ceil(n, tp)
+    if s.mla is not None:
+        attention = _mla_attention_elements(s, tp)
     moe_layer = (attention + E * h + _ceil(E, layout.ep) * _ceil(3 * f * h, etp)
                  + _ceil(3 * fs * h, tp) + h * s.shared_expert_gate)
     if s.moe_router_expert_bias:  # [E] fp32 whatever the dtype, counted in `dtype` elements
@@ -203,6 +235,17 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
         stage = max(sum(sizes[i:i + per_stage]) + first * (i == 0)
                     + last * (i + per_stage >= s.num_layers) for i in starts)
     return stage * elem
+
+
+def _mla_attention_elements(s, tp: int) -> int:
+    """Elements of an MLA layer's attention and its two layer norms on one TP rank: the down
+    projections' rows and the up / output projections' heads split over TP, the norms whole."""
+    m, h, n = s.mla, s.hidden_size, s.num_attention_heads
+    q = (_ceil(n * m.q_head_dim * h, tp) if m.q_lora_rank is None else
+         _ceil(m.q_lora_rank * h, tp) + m.q_lora_rank + _ceil(n * m.q_head_dim * m.q_lora_rank, tp))
+    kv = (_ceil((m.kv_lora_rank + m.qk_pos_emb_head_dim) * h, tp) + m.kv_lora_rank
+          + _ceil(n * (m.qk_head_dim + m.v_head_dim) * m.kv_lora_rank, tp))
+    return 2 * h + q + kv + _ceil(h * n * m.v_head_dim, tp)
 
 
 def gib(n: int) -> str:

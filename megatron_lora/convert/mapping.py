@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_lora.convert import mla_tensors
 from megatron_lora.convert.layer_keys import layer_key, unstack
 from megatron_lora.families import ModelInfo
 
@@ -221,15 +222,19 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
     names = info.family.names
     for l in range(L):
         p = names.layer.format(l=l)
-        layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + names.input_norm, (h,)))
-        layer(attn + "linear_qkv.weight", l, QKV(p + names.q, p + names.k, p + names.v, n, g, d, h))
-        if s.add_qkv_bias or s.add_bias_linear:
-            bias = [p + w[: -len("weight")] + "bias" for w in (names.q, names.k, names.v)]
-            layer(attn + "linear_qkv.bias", l, QKVBias(*bias, n, g, d))
-        if s.qk_layernorm:
-            layer(attn + "q_layernorm.weight", l, Direct(p + names.q_norm, (qn,)))
-            layer(attn + "k_layernorm.weight", l, Direct(p + names.k_norm, (kn,)))
-        layer(attn + "linear_proj.weight", l, Direct(p + names.o, (h, n * d)))
+        if s.mla is not None:  # multi-latent attention: convert/mla_tensors.py
+            for key, source in mla_tensors.attention_tensors(info, p):
+                layer(key, l, source)
+        else:
+            layer(attn + "linear_qkv.layer_norm_weight", l, Direct(p + names.input_norm, (h,)))
+            layer(attn + "linear_qkv.weight", l, QKV(p + names.q, p + names.k, p + names.v, n, g, d, h))
+            if s.add_qkv_bias or s.add_bias_linear:
+                bias = [p + w[: -len("weight")] + "bias" for w in (names.q, names.k, names.v)]
+                layer(attn + "linear_qkv.bias", l, QKVBias(*bias, n, g, d))
+            if s.qk_layernorm:
+                layer(attn + "q_layernorm.weight", l, Direct(p + names.q_norm, (qn,)))
+                layer(attn + "k_layernorm.weight", l, Direct(p + names.k_norm, (kn,)))
+            layer(attn + "linear_proj.weight", l, Direct(p + names.o, (h, n * d)))
         layer(mlp + "linear_fc1.layer_norm_weight", l, Direct(p + names.post_attention_norm, (h,)))
         if not s.is_moe_layer(l):
             x = p + names.dense_mlp
@@ -269,6 +274,9 @@ def mcore_tensors(info: ModelInfo, dtype: torch.dtype = None,
         mlp + "experts.experts.linear_fc2.weight": (L, E, h, f),
     }
     shapes.update({key: (L,) + source.shape for key, source in _gpt_oss_layer(info, "", dtype)})
+    if s.mla is not None:
+        shapes.update({key: (L,) + source.shape
+                       for key, source in mla_tensors.attention_tensors(info, "")})
     if fs:
         shapes.update({mlp + "shared_experts.linear_fc1.weight": (L, 2 * fs, h),
                        mlp + "shared_experts.linear_fc2.weight": (L, h, fs),
@@ -330,8 +338,10 @@ def extra_states(info: ModelInfo) -> List[ExtraState]:
             shard = f"{l}_{L}" if e is None else f"{l}.{e}_{L}.{E}"
             out.append(ExtraState(f"decoder.layers.{name}._extra_state/shard_{shard}"))
 
+    attention = (mla_tensors.linear_names(info) if s.mla is not None
+                 else ("linear_proj", "linear_qkv"))
     for l in range(L):
-        for name in ("linear_proj", "linear_qkv"):
+        for name in attention:
             add(f"self_attention.{name}", l)
         if not s.is_moe_layer(l):
             for name in ("linear_fc1", "linear_fc2"):

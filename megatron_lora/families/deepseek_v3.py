@@ -92,6 +92,9 @@ def _v2_routing(f: Fields, experts: int, topk: int) -> dict:
 def _mla(f: Fields, heads: int) -> MlaShape:
     q_lora = f.integer("q_lora_rank", default=None, nullable=True)
     interleave = f.get("rope_interleave", bool, default=True, nullable=True)
+    if f.integer("qk_rope_head_dim") % 2:
+        raise f.bad("qk_rope_head_dim", "must be even (rope rotates channel pairs)",
+                    f.cfg["qk_rope_head_dim"])
     return MlaShape(q_lora_rank=q_lora, kv_lora_rank=f.integer("kv_lora_rank"),
                     qk_head_dim=f.integer("qk_nope_head_dim"),
                     qk_pos_emb_head_dim=f.integer("qk_rope_head_dim"),
@@ -108,10 +111,9 @@ def read(f: Fields, cfg: dict, v2: bool = False):
     dropout = f.cfg.get("attention_dropout", 0.0)
     if dropout not in (0, 0.0, None):
         raise ModelConfigError(f"{f.source}: field attention_dropout={short(dropout)}: only 0")
-    kv_heads = f.integer("num_key_value_heads", default=None, nullable=True)
-    if kv_heads not in (None, heads):  # transformers ignores it: MLA has one head per query
-        raise f.bad("num_key_value_heads", f"must be num_attention_heads={heads} or null "
-                    f"(multi-latent attention)", kv_heads)
+    # typed only: multi-latent attention has one key head per query head whatever it says
+    # (transformers' DeepseekV3Config defaults it to 128 at any size, and ignores it)
+    f.integer("num_key_value_heads", default=None, nullable=True)
     if f.cfg.get("moe_layer_freq", 1) != 1:  # the original configs' field; transformers ignores it
         raise f.bad("moe_layer_freq", "must be 1 (the MoE layers are those after "
                     "first_k_dense_replace)", f.cfg["moe_layer_freq"])
@@ -146,7 +148,7 @@ NAMES = HFNames(router="mlp.gate.weight", expert="mlp.experts.{e}.",
                 expert_gate="gate_proj.weight", expert_up="up_proj.weight",
                 expert_down="down_proj.weight", shared_expert="mlp.shared_experts.", mla=True)
 REFUSES = ("hidden_act other than silu", "attention_bias or mlp_bias true",
-           "attention_dropout > 0", "num_key_value_heads other than num_attention_heads",
+           "attention_dropout > 0",
            "RoPE scaling other than YaRN; YaRN with truncate false, an explicit "
            "attention_factor, or mscale_all_dim without mscale", "moe_layer_freq other than 1")
 

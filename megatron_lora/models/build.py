@@ -55,6 +55,13 @@ def block_spec(config, pp_rank: Optional[int] = None, use_te: Optional[bool] = N
                                             stage_layer_specs, with_qk_norms)
 
     core_attention_class(attention_backend)  # an unknown or unsupported name fails first
+    if getattr(config, "multi_latent_attention", False):
+        # multi-latent attention is built on the local spec only (models/mla.py: its core
+        # attention and a TP gradient correction are ours)
+        if use_te:
+            raise ValueError("multi-latent attention (DeepSeek) is built from the local spec; "
+                             "pass use_te=False (or leave it unset)")
+        use_te = False
     if use_te is None:
         use_te = te_available() and torch.cuda.is_available()
     if not use_te and attention_backend is None and getattr(config, "window_size", None):

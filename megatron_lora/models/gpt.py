@@ -82,9 +82,18 @@ def transformer_config(
     kwargs.update(_gpt_oss_kwargs(shape))
     if shape.qk_layernorm:
         kwargs["qk_layernorm"] = True
+    config_class = TransformerConfig
+    if shape.mla is not None:  # multi-latent attention: its own config class (models/mla.py)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from megatron_lora.models.mla import mla_config_kwargs
+
+        config_class = MLATransformerConfig
+        kwargs.update(mla_config_kwargs(shape))
     kwargs.update(overrides)
-    config = TransformerConfig(**kwargs)
-    _set_yarn(config, shape)
+    config = config_class(**kwargs)
+    if shape.mla is None:  # MLA reads YaRN from its own fields (mla_config_kwargs)
+        _set_yarn(config, shape)
     return config
 
 
@@ -172,7 +181,9 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, block_spec=Non
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_embeddings,
-        position_embedding_type="yarn" if shape.yarn is not None else "rope",
+        # MLA builds its own rotary embedding (plain or YaRN) from its config
+        position_embedding_type="yarn" if shape.yarn is not None and shape.mla is None
+        else "rope",
         rotary_base=int(shape.rotary_base),
         rotary_percent=shape.rotary_percent,
     )

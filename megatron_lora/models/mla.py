@@ -22,8 +22,8 @@ ranks' heads (megatron's own gather kept each rank's part only: the input gradie
 0.19 at TP2, with or without SP, on 0.16.1 and 0.19.2); on 0.19 it builds the spec's latent
 norms as 0.16 does (`_resolve_qk_norm_config`; runtime/versions.py has the row). The same spec
 serves q_lora_rank set (q down -> q norm -> q up) and None (one linear_q_proj,
-DeepSeek-V2-Lite). `mla_config_kwargs(hf_config)` gives the MLATransformerConfig fields of an HF
-config.
+DeepSeek-V2-Lite). `mla_config_kwargs(shape)` gives the MLATransformerConfig fields of a
+ModelShape with `mla` (models/gpt.py builds the config from it).
 
 Rope: megatron rotates the last qk_pos_emb_head_dim channels of each query head and the one
 shared key channel group, YaRN through `YarnRotaryEmbedding` (rope_type "yarn": cos/sin times
@@ -195,69 +195,32 @@ def mla_attention_spec() -> ModuleSpec:
     )
 
 
-def rope_interleaved(hf_config) -> bool:
-    """Whether the HF checkpoint's rope channels rotate adjacent pairs: the config's
-    rope_interleave, True when the config has no such field (DeepSeek-V2's complex rotation)."""
-    value = getattr(hf_config, "rope_interleave", None)
-    return True if value is None else bool(value)
-
-
-def _rope_fields(hf_config) -> Dict[str, object]:
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", "default")
-    base = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    if rope_type == "default":
-        return dict(rope_type="rope", rotary_base=base, rotary_scaling_factor=1.0,
-                    mscale=1.0, mscale_all_dim=0.0)
-    if rope_type != "yarn":
-        raise ValueError(f"config.json rope_parameters.rope_type={rope_type!r}: multi-latent "
-                         "attention supports 'default' and 'yarn'")
-    original = rope["original_max_position_embeddings"]
-    factor = rope.get("factor") or hf_config.max_position_embeddings / original
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    problem = None
-    if rope.get("attention_factor") is not None:
-        problem = f"attention_factor={rope['attention_factor']} (megatron derives it)"
-    elif rope.get("truncate", True) is False:
-        problem = "truncate=False (megatron's MLA rounds the YaRN correction range)"
-    elif mscale_all_dim and not mscale:
-        problem = (f"mscale_all_dim={mscale_all_dim} without mscale (transformers then scales "
-                   "cos/sin by the plain YaRN factor, megatron by the mscale ratio)")
-    if problem:
-        raise ValueError(f"config.json rope_parameters.{problem}: not supported for "
-                         "multi-latent attention")
-    if not mscale_all_dim:  # transformers: cos/sin times mscale(factor), no softmax mscale
-        mscale, mscale_all_dim = 1.0, 0.0
-    return dict(rope_type="yarn", rotary_base=base, rotary_scaling_factor=float(factor),
-                original_max_position_embeddings=original,
-                beta_fast=float(rope.get("beta_fast") or 32),
-                beta_slow=float(rope.get("beta_slow") or 1),
-                mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
-
-
-def mla_config_kwargs(hf_config) -> Dict[str, object]:
-    """MLATransformerConfig fields of an HF DeepSeek-style attention config (the caller adds
-    layers, MLP, parallel sizes and dtypes). Raises ValueError naming the config.json field."""
-    if getattr(hf_config, "attention_bias", False):
-        raise ValueError("config.json attention_bias=true: megatron's multi-latent attention "
-                         "projections have no bias")
-    return dict(
-        multi_latent_attention=True,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        q_lora_rank=hf_config.q_lora_rank,
-        kv_lora_rank=hf_config.kv_lora_rank,
-        qk_head_dim=hf_config.qk_nope_head_dim,
-        qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
-        v_head_dim=hf_config.v_head_dim,
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        normalization="RMSNorm",
-        rotary_interleaved=False,
-        apply_rope_fusion=False,
-        add_bias_linear=False,
-        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        **_rope_fields(hf_config),
-    )
+def mla_config_kwargs(shape) -> Dict[str, object]:
+    """The MLATransformerConfig fields of a ModelShape with `mla` (families/shape.py MlaShape):
+    the latent ranks and head sizes, and its RoPE as megatron's MLA reads it (rope_type "rope",
+    or "yarn" with transformers' rule for the two mscales: with mscale_all_dim, cos/sin are
+    scaled by the mscale ratio and the softmax by mscale(mscale_all_dim)^2; without it, cos/sin
+    by the plain YaRN mscale and the softmax not at all, which megatron does for mscale 1,
+    mscale_all_dim 0). The family reader has refused what megatron cannot express (YaRN truncate
+    false, mscale_all_dim without mscale)."""
+    m, yarn = shape.mla, shape.yarn
+    out = dict(multi_latent_attention=True, q_lora_rank=m.q_lora_rank,
+               kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+               qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+               rotary_interleaved=False, apply_rope_fusion=False,
+               rotary_base=float(shape.rotary_base))
+    if yarn is None:
+        return dict(out, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0,
+                    mscale_all_dim=0.0)
+    if not yarn.truncate or (yarn.mscale_all_dim and not yarn.mscale):
+        raise ValueError(f"multi-latent attention cannot follow YaRN with truncate="
+                         f"{yarn.truncate}, mscale={yarn.mscale}, mscale_all_dim="
+                         f"{yarn.mscale_all_dim}")
+    mscale, all_dim = (yarn.mscale, yarn.mscale_all_dim) if yarn.mscale_all_dim else (1.0, 0.0)
+    return dict(out, rope_type="yarn", rotary_scaling_factor=yarn.factor,
+                original_max_position_embeddings=yarn.original_max_position_embeddings,
+                beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=float(mscale),
+                mscale_all_dim=float(all_dim))
 
 
 def _deinterleave(rope_dim: int) -> torch.Tensor:
@@ -273,21 +236,30 @@ def _permute_rope_rows(weight: torch.Tensor, lead: int, rope: int, groups: int,
     return w.reshape(weight.shape)
 
 
-def _rope_rows(state: Dict[str, torch.Tensor], hf_config, perm: torch.Tensor, q_key: str,
+def _rope_rows(state: Dict[str, torch.Tensor], mla, heads: int, perm: torch.Tensor, q_key: str,
                kv_key: str) -> None:
-    n, nope, r = (hf_config.num_attention_heads, hf_config.qk_nope_head_dim,
-                  hf_config.qk_rope_head_dim)
-    state[q_key] = _permute_rope_rows(state[q_key], nope, r, n, perm)
-    state[kv_key] = _permute_rope_rows(state[kv_key], hf_config.kv_lora_rank, r, 1, perm)
+    r = mla.qk_pos_emb_head_dim
+    state[q_key] = _permute_rope_rows(state[q_key], mla.qk_head_dim, r, heads, perm)
+    state[kv_key] = _permute_rope_rows(state[kv_key], mla.kv_lora_rank, r, 1, perm)
 
 
-def _names(hf_config) -> Dict[str, str]:
+def rope_row_order(mla, to_mcore: bool) -> torch.Tensor:
+    """The order of a rope part's rows on the other side: megatron's rows are the checkpoint's
+    as they are when the checkpoint is interleaved (rope_interleaved), else interleaved
+    (to_mcore) or de-interleaved back (not to_mcore)."""
+    r = mla.qk_pos_emb_head_dim
+    if mla.rope_interleaved:
+        return torch.arange(r)
+    return torch.argsort(_deinterleave(r)) if to_mcore else _deinterleave(r)
+
+
+def _names(mla) -> Dict[str, str]:
     """HF name -> megatron name for one layer's attention (no layer prefix)."""
     names = {"kv_a_proj_with_mqa.weight": "linear_kv_down_proj.weight",
              "kv_a_layernorm.weight": "kv_layernorm.weight",
              "kv_b_proj.weight": "linear_kv_up_proj.weight",
              "o_proj.weight": "linear_proj.weight"}
-    if hf_config.q_lora_rank is None:
+    if mla.q_lora_rank is None:
         names["q_proj.weight"] = "linear_q_proj.weight"
     else:
         names.update({"q_a_proj.weight": "linear_q_down_proj.weight",
@@ -296,39 +268,35 @@ def _names(hf_config) -> Dict[str, str]:
     return names
 
 
-def hf_to_mcore_attention(hf: Mapping[str, torch.Tensor], hf_config) -> Dict[str, torch.Tensor]:
+def hf_to_mcore_attention(hf: Mapping[str, torch.Tensor], mla, heads: int
+                          ) -> Dict[str, torch.Tensor]:
     """One layer's HF attention tensors (keys as in the table, without `model.layers.i.self_attn.`)
     -> megatron's global tensors (keys without `decoder.layers.i.self_attention.`); rope rows
     interleaved when the checkpoint's rope is not (rope_interleave False), else unchanged.
     Other keys are refused."""
-    names = _names(hf_config)
+    names = _names(mla)
     missing, extra = sorted(set(names) - set(hf)), sorted(set(hf) - set(names))
     if missing or extra:
         raise ValueError(f"multi-latent attention tensors: missing {missing}, unexpected {extra}")
     out = {names[k]: v for k, v in hf.items()}
-    if not rope_interleaved(hf_config):
-        q_key = "linear_q_proj.weight" if hf_config.q_lora_rank is None else \
-            "linear_q_up_proj.weight"
-        interleave = torch.argsort(_deinterleave(hf_config.qk_rope_head_dim))
-        _rope_rows(out, hf_config, interleave, q_key, "linear_kv_down_proj.weight")
+    q_key = "linear_q_proj.weight" if mla.q_lora_rank is None else "linear_q_up_proj.weight"
+    _rope_rows(out, mla, heads, rope_row_order(mla, True), q_key, "linear_kv_down_proj.weight")
     return out
 
 
-def mcore_to_hf_attention(mcore: Mapping[str, torch.Tensor], hf_config
+def mcore_to_hf_attention(mcore: Mapping[str, torch.Tensor], mla, heads: int
                           ) -> Dict[str, torch.Tensor]:
     """The inverse of hf_to_mcore_attention (rope rows de-interleaved back when
     rope_interleave is False)."""
-    back = {v: k for k, v in _names(hf_config).items()}
+    back = {v: k for k, v in _names(mla).items()}
     missing, extra = sorted(set(back) - set(mcore)), sorted(set(mcore) - set(back))
     if missing or extra:
         raise ValueError(f"multi-latent attention tensors: missing {missing}, unexpected {extra}")
     out = {back[k]: v for k, v in mcore.items()}
-    if not rope_interleaved(hf_config):
-        q_key = "q_proj.weight" if hf_config.q_lora_rank is None else "q_b_proj.weight"
-        _rope_rows(out, hf_config, _deinterleave(hf_config.qk_rope_head_dim), q_key,
-                   "kv_a_proj_with_mqa.weight")
+    q_key = "q_proj.weight" if mla.q_lora_rank is None else "q_b_proj.weight"
+    _rope_rows(out, mla, heads, rope_row_order(mla, False), q_key, "kv_a_proj_with_mqa.weight")
     return out
 
 
 __all__ = ["LocalMLASelfAttention", "hf_to_mcore_attention", "mcore_to_hf_attention",
-           "mla_attention_spec", "mla_config_kwargs", "rope_interleaved"]
+           "mla_attention_spec", "mla_config_kwargs", "rope_row_order"]

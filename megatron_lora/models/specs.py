@@ -134,6 +134,24 @@ def stage_layer_specs(config: TransformerConfig, pp_rank: Optional[int], moe_lay
     return [moe_layer if pattern[offset + i] else dense_layer for i in range(num_layers)]
 
 
+# Multi-latent attention's latent norms are stored where Transformer Engine's spec keeps them
+# (fused into the up projections), as the input and pre-MLP norms of the GQA spec are, so one
+# checkpoint serves both; the input norm stays `input_layernorm.` (TE's MLA spec keeps it apart).
+MLA_KEYS_MAP = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+                "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+
+
+def with_mla(layer_spec):
+    """A copy of a TransformerLayer spec whose self-attention is multi-latent attention
+    (models/mla.py, torch's SDPA core), its checkpoint keys as MLA_KEYS_MAP says."""
+    from megatron_lora.models.mla import mla_attention_spec
+
+    layer = spec_submodules(layer_spec)
+    return spec_replace(layer_spec, submodules=dataclasses.replace(
+        layer, self_attention=mla_attention_spec(), sharded_state_dict_keys_map=dict(MLA_KEYS_MAP)))
+
+
 def local_block_spec(
     config: TransformerConfig,
     pp_rank: Optional[int] = None,
@@ -148,9 +166,10 @@ def local_block_spec(
         raise ValueError("qk_norm_full_width needs a config with qk_layernorm")
 
     def layer(num_experts):
-        return local_layer_spec(num_experts, moe_grouped_gemm, attention_backend,
+        spec = local_layer_spec(num_experts, moe_grouped_gemm, attention_backend,
                                 qk_layernorm=config.qk_layernorm,
                                 qk_norm_full_width=qk_norm_full_width)
+        return with_mla(spec) if getattr(config, "multi_latent_attention", False) else spec
 
     layers = stage_layer_specs(config, pp_rank, layer(config.num_moe_experts), layer(None))
     return ModuleSpec(

@@ -1,0 +1,186 @@
+"""DeepSeek-V3 (deepseek_v3) and DeepSeek-V2 (deepseek_v2) against transformers 5.24's own
+DeepseekV3ForCausalLM / DeepseekV2ForCausalLM.
+
+Tiny random models made by transformers in the test, all with multi-latent attention whose
+value heads (10) differ from the query/key heads (8 + 4 rope):
+- "hf" (V3): q_lora_rank 24, kv_lora_rank 16, YaRN with mscale / mscale_all_dim (the softmax
+  scale moves too), sigmoid routing over 8 experts in 4 groups of which 2 are kept (top-4: a
+  group's top-2 sum in megatron as in transformers), a non-zero e_score_correction_bias,
+  routed_scaling_factor 1.5, a shared expert, layer 0 dense, and a multi-token-prediction layer
+  on disk (`model.layers.4.*`, carried unchanged);
+- "v2" (V2, as V2-Lite): no q_lora_rank (one q_proj), softmax routing taken at the top-2
+  without renormalising, group_limited_greedy over 4 groups keeping 2 (a group scored by its
+  best expert), two shared experts;
+- "rope_half" (V3): rope_interleave false (the rope rows are permuted on conversion), plain
+  RoPE, no groups, every layer MoE (stacked checkpoint keys).
+Checks: config and refusals, the tensors megatron builds are the mapping's, bit-identical round
+trips, logits within 1e-4 at 1 rank, PP2xEP2, TP2xEP2+SP and ETP2 (grouped), and LoRA on every
+linear kind (every MLA projection) trained at PP2xEP2 as at one rank, exported to PEFT, imported,
+generated with and merged.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_lora.families import ModelConfigError, model_info
+from megatron_lora.families.deepseek_v3 import DEEPSEEK_V2, DEEPSEEK_V3
+from megatron_lora.runtime import ParallelLayout
+from tests.families import _support as F
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
+CONFIG = dict(vocab_size=250, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+              n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+              norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+              qk_rope_head_dim=4, v_head_dim=10, rope_parameters=YARN,
+              max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6,
+              num_nextn_predict_layers=1, architectures=["DeepseekV3ForCausalLM"],
+              model_type="deepseek_v3")
+V2 = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+          num_experts_per_tok=2, topk_method="group_limited_greedy", norm_topk_prob=False,
+          n_shared_experts=2, routed_scaling_factor=1.0, num_nextn_predict_layers=0)
+VARIANTS = {"hf": {}, "v2": V2,
+            "rope_half": dict(rope_interleave=False, rope_parameters=None, n_group=1,
+                              topk_group=1, first_k_dense_replace=0,
+                              num_nextn_predict_layers=0)}
+MTP = {"model.layers.4.eh_proj.weight": (64, 128), "model.layers.4.enorm.weight": (64,),
+       "model.layers.4.self_attn.kv_b_proj.weight": (72, 16)}
+
+
+def make(directory: str, seed: int = 0, **overrides) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
+    torch.manual_seed(seed)
+    cfg = {k: v for k, v in dict(CONFIG, **overrides).items() if k != "model_type"}
+    config_class = DeepseekV2Config if "DeepseekV2ForCausalLM" in cfg["architectures"] else \
+        DeepseekV3Config
+    model = AutoModelForCausalLM.from_config(config_class(**cfg)).float()
+    F.perturb_norms(model)
+    with torch.no_grad():  # a zero correction bias would hide a bias lost or applied to weights
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    model.save_pretrained(directory, max_shard_size="200KB")
+    if cfg.get("num_nextn_predict_layers"):  # the published checkpoints' MTP layer, not built
+        save_file({k: torch.randn(s) for k, s in MTP.items()},
+                  os.path.join(directory, "mtp.safetensors"))
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        index = json.load(open(index_path))
+        index["weight_map"].update({k: "mtp.safetensors" for k in MTP})
+        json.dump(index, open(index_path, "w"))
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return F.convert_and_reference(str(tmp_path_factory.mktemp("deepseek")), make, VARIANTS)
+
+
+def test_config_gives_the_sizes_megatron_builds():
+    info = model_info(CONFIG)
+    s, m = info.shape, info.shape.mla
+    assert info.family is DEEPSEEK_V3 and info.head_dim == 12 and s.num_query_groups == 4
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+            m.v_head_dim, m.rope_interleaved) == (24, 16, 8, 4, 10, True)
+    assert (s.yarn.factor, s.yarn.mscale, s.yarn.mscale_all_dim) == (4.0, 1.0, 0.8)
+    assert (s.ffn_hidden_size, s.num_experts, s.moe_router_topk) == (32, 8, 4)
+    assert s.shared_expert_ffn_hidden_size == 32
+    assert (s.moe_layer_pattern, s.dense_ffn_hidden_size) == ((0, 1, 1, 1), 80)
+    assert (s.moe_router_score_function, s.moe_router_expert_bias) == ("sigmoid", True)
+    assert (s.moe_router_num_groups, s.moe_router_group_topk) == (4, 2)
+    assert s.moe_router_topk_scaling_factor == 1.5 and not s.moe_router_pre_softmax
+    v2 = model_info(dict(CONFIG, **V2))
+    assert v2.family is DEEPSEEK_V2 and v2.shape.mla.q_lora_rank is None
+    assert v2.shape.moe_router_score_function == "softmax" and v2.shape.moe_router_pre_softmax
+    assert (v2.shape.moe_router_num_groups, v2.shape.moe_router_group_topk) == (4, 2)
+    assert not v2.shape.moe_router_expert_bias and v2.shape.shared_expert_ffn_hidden_size == 64
+    greedy = model_info(dict(CONFIG, **dict(V2, topk_method="greedy", num_experts_per_tok=6)))
+    assert greedy.shape.moe_router_num_groups is None
+    half = model_info(dict(CONFIG, **VARIANTS["rope_half"])).shape
+    assert not half.mla.rope_interleaved and half.yarn is None and half.moe_layer_pattern is None
+
+
+def test_the_config_megatron_gets_is_mla_with_transformers_yarn():
+    from megatron_lora.models.gpt import transformer_config
+
+    c = transformer_config(model_info(CONFIG).shape, ParallelLayout())
+    assert c.multi_latent_attention and (c.q_lora_rank, c.kv_lora_rank) == (24, 16)
+    assert (c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (8, 4, 10)
+    assert (c.rope_type, c.rotary_scaling_factor, c.mscale, c.mscale_all_dim) == (
+        "yarn", 4.0, 1.0, 0.8)
+    assert c.moe_router_bias_update_rate == 0.0 and c.moe_router_topk_scaling_factor == 1.5
+    plain = dict(YARN, mscale=None, mscale_all_dim=None)  # transformers: no softmax mscale
+    c = transformer_config(model_info(dict(CONFIG, rope_parameters=plain)).shape,
+                           ParallelLayout())
+    assert (c.mscale, c.mscale_all_dim) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(norm_topk_prob=False), "field norm_topk_prob=false with num_experts_per_tok=4"),
+    (dict(topk_group=1), "field topk_group=1 (n_group=4, num_experts_per_tok=4)"),
+    (dict(scoring_func="softmax"), "field scoring_func='softmax': DeepSeek-V3 routes"),
+    (dict(topk_method="greedy"), "field topk_method='greedy': DeepSeek-V3 routes"),
+    (dict(V2, norm_topk_prob=True), "field norm_topk_prob=true: transformers 5.24 does not"),
+    (dict(V2, num_experts_per_tok=4), "field topk_method='group_limited_greedy' with "
+                                      "topk_group=2, num_experts_per_tok=4"),
+    (dict(V2, topk_method="noaux_tc"), "field topk_method='noaux_tc': only 'greedy'"),
+    (dict(attention_bias=True), "field attention_bias=true"),
+    (dict(rope_parameters=dict(YARN, truncate=False)), "field truncate=false"),
+    (dict(rope_parameters=dict(YARN, mscale=None)), "mscale_all_dim=0.8 without mscale"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "field rope_type='linear'"),
+    (dict(qk_rope_head_dim=3), "field 'qk_rope_head_dim' must be even"),
+    (dict(moe_layer_freq=2), "field 'moe_layer_freq' must be 1"),
+    (dict(first_k_dense_replace=4), "every layer is dense (no MoE layer)"),
+    (dict(hidden_act="gelu"), "field hidden_act='gelu'"),
+])
+def test_what_megatron_cannot_reproduce_is_refused_naming_the_field(change, message):
+    with pytest.raises(ModelConfigError) as err:
+        model_info(dict(CONFIG, **change), source="/m/config.json")
+    assert str(err.value).startswith("/m/config.json: ") and message in str(err.value), err.value
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, sp=True), ParallelLayout(pp=2)],
+                         ids=["TP2+SP", "PP2"])
+def test_megatron_builds_the_tensors_of_the_mapping(layout, ds):
+    F.structure_matches_megatron(paths=ds, name="hf", layout=layout)
+
+
+def test_megatron_builds_the_tensors_of_the_mapping_without_q_lora_rank(ds):
+    F.structure_matches_megatron(paths=ds, name="v2", layout=ParallelLayout(tp=2))
+
+
+@pytest.mark.parametrize("name", ["hf", "v2", "rope_half"])
+def test_round_trip_is_bit_identical(ds, name, tmp_path):
+    """Every variant converts and comes back bit for bit (the MTP layer carried, the rope rows
+    of rope_interleave false permuted and permuted back)."""
+    from megatron_lora.convert.hf_to_mcore import hf_to_mcore
+    from megatron_lora.convert.mcore_to_hf import mcore_to_hf
+    from tests.convert.test_roundtrip import assert_bit_identical, read_hf_tensors
+
+    mcore, out = str(tmp_path / "mcore"), str(tmp_path / "out")
+    hf_to_mcore(ds[name], mcore, progress=False)
+    mcore_to_hf(mcore, out, max_shard_bytes=200_000, progress=False)
+    original = read_hf_tensors(ds[name])
+    assert any(k.endswith("kv_a_proj_with_mqa.weight") for k in original)
+    assert_bit_identical(original, read_hf_tensors(out))
+
+
+@pytest.mark.parametrize("layout,world_size", [
+    pytest.param(ParallelLayout(), 1, id="1rank"),
+    pytest.param(ParallelLayout(pp=2, ep=2), 4, id="PP2xEP2"),
+    pytest.param(ParallelLayout(tp=2, ep=2, sp=True), 4, id="TP2xEP2+SP"),
+])
+def test_logits_match_transformers(layout, world_size, ds):
+    F.logits_at_layout(layout=layout, grouped=False, world_size=world_size, paths=ds,
+                       variants=list(VARIANTS))
+
+
+def test_logits_match_transformers_at_etp2_with_grouped_experts(ds):
+    F.logits_at_layout(layout=ParallelLayout(ep=1, etp=2), grouped=True, world_size=2, paths=ds,
+                       variants=list(VARIANTS))

@@ -60,22 +60,6 @@ MLA_INPUT_KINDS = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj",
                    "linear_kv_down_proj", "linear_kv_up_proj")
 
 
-def mla_linears(shape) -> dict:
-    """{megatron name: (out_features, in_features)} of one multi-latent attention layer's linears
-    (global shapes; the table of models/mla.py)."""
-    m, h, n = shape.mla, shape.hidden_size, shape.num_attention_heads
-    out = {}
-    if m.q_lora_rank:
-        out["linear_q_down_proj"] = (m.q_lora_rank, h)
-        out["linear_q_up_proj"] = (n * m.q_head_dim, m.q_lora_rank)
-    else:
-        out["linear_q_proj"] = (n * m.q_head_dim, h)
-    out["linear_kv_down_proj"] = (m.kv_lora_rank + m.qk_pos_emb_head_dim, h)
-    out["linear_kv_up_proj"] = (n * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank)
-    out["linear_proj"] = (h, n * m.v_head_dim)
-    return out
-
-
 def mla_activation_elements(shape) -> int:
     """Elements one token of one layer's multi-latent attention keeps for backward, every TP rank
     together (the module docstring lists them)."""
@@ -95,12 +79,14 @@ def _attention(s, r: int, targets) -> tuple:
         lora = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
                 + ("linear_proj" in targets) * (r * heads * d + h * r))
         return qkv + heads * d * h, 0, lora, 5 * h
-    linears = mla_linears(s)
+    from megatron_lora.training.flops import mla_linear_shapes
+
+    linears = mla_linear_shapes(s)  # {name: (in, out)}
     adapted = [name for name in linears if name in targets or (
         name in MLA_INPUT_KINDS and "linear_qkv" in targets)]
-    lora = sum(r * sum(linears[name]) for name in adapted)
+    lora = sum(r * sum(linears[name]) for name in adapted)  # A [r, in] and B [out, r]
     norms = (s.mla.q_lora_rank or 0) + s.mla.kv_lora_rank
-    return (sum(o * i for o, i in linears.values()), norms, lora,
+    return (sum(i * o for i, o in linears.values()), norms, lora,
             mla_activation_elements(s))
 
 

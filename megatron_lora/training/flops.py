@@ -13,7 +13,12 @@ step (every position of every row, masked or not: all of them run through the mo
     attention        QK^T and AV: forward 2 x 2 x (s / 2) x d_attn per layer (causal: a query
                      scores on average s / 2 keys, what a causal kernel computes), backward twice
                      that (gradients of both operands), 6 s d_attn per layer in all; the same
-                     for LoRA and full fine-tuning (it has no weights)
+                     for LoRA and full fine-tuning (it has no weights). Multi-latent attention
+                     (DeepSeek-V3/V2): QK^T over n heads of nope + rope channels, AV over n
+                     heads of v_head_dim, 3 s n (nope + rope + v) per layer (the zero channels
+                     SDPAttention pads v with are not model work); its linears are the q/kv
+                     down and up projections (or one q projection) and linear_proj (n v x h),
+                     `mla_linear_shapes`
     adapters         6 x the adapter parameters a token visits (A and B: forward, activation
                      gradient, weight gradient): 6 r (in + out) per adapted linear (the experts:
                      top-k of them), 6 r h for embedding LoRA (A's row is a lookup), 6 h n for n
@@ -90,6 +95,44 @@ def shape_sizes(shape: ModelShape) -> SimpleNamespace:
         moe_layer_freq=list(shape.moe_layer_pattern) if shape.moe_layer_pattern else 1)
 
 
+def mla_linear_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
+    """{megatron name: (in_features, out_features)} of one multi-latent attention layer's linears
+    (global; the tensor table of models/mla.py): linear_q_down_proj (h -> q_lora_rank) and
+    linear_q_up_proj (q_lora_rank -> n (nope + rope)), or linear_q_proj (h -> n (nope + rope))
+    without q_lora_rank; linear_kv_down_proj (h -> kv_lora_rank + rope), linear_kv_up_proj
+    (kv_lora_rank -> n (nope + v)), linear_proj (n v -> h)."""
+    m, h, n = shape.mla, shape.hidden_size, shape.num_attention_heads
+    out = {}
+    if m.q_lora_rank:
+        out["linear_q_down_proj"] = (h, m.q_lora_rank)
+        out["linear_q_up_proj"] = (m.q_lora_rank, n * m.q_head_dim)
+    else:
+        out["linear_q_proj"] = (h, n * m.q_head_dim)
+    out["linear_kv_down_proj"] = (h, m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    out["linear_kv_up_proj"] = (m.kv_lora_rank, n * (m.qk_head_dim + m.v_head_dim))
+    out["linear_proj"] = (n * m.v_head_dim, h)
+    return out
+
+
+def attention_flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """QK^T and AV of every layer, forward and backward, per token (the module docstring)."""
+    n, layers = shape.num_attention_heads, shape.num_layers
+    if shape.mla is not None:
+        return 3 * seq_len * n * (shape.mla.q_head_dim + shape.mla.v_head_dim) * layers
+    return 6 * seq_len * n * shape.head_dim * layers
+
+
+def _attention_in_out(shape: ModelShape, sizes, kind: str) -> Tuple[int, int]:
+    """(in, out) of an attention target kind; multi-latent attention has no linear_qkv."""
+    if shape.mla is None:
+        return _in_out(sizes, kind, shape.vocab_size)
+    linears = mla_linear_shapes(shape)
+    if kind not in linears:
+        raise ValueError(f"LoRA target {kind}: a multi-latent attention model has no such "
+                         f"linear (its attention: {', '.join(linears)})")
+    return linears[kind]
+
+
 def _layer_counts(shape: ModelShape) -> Tuple[int, int]:
     """(MoE layers, dense layers between them) of a model with experts."""
     moe = sum(shape.moe_layer_pattern) if shape.moe_layer_pattern else shape.num_layers
@@ -104,8 +147,11 @@ def _in_out(sizes, kind: str, vocab: int) -> Tuple[int, int]:
 def active_linear_macs(shape: ModelShape) -> int:
     """N: multiply-accumulates per token of every base linear a token visits (no embedding)."""
     sizes, v = shape_sizes(shape), shape.vocab_size
-    per_layer = sum(a * b for a, b in (_in_out(sizes, k, v) for k in ("linear_qkv",
-                                                                        "linear_proj")))
+    if shape.mla is not None:
+        per_layer = sum(a * b for a, b in mla_linear_shapes(shape).values())
+    else:
+        per_layer = sum(a * b for a, b in (_in_out(sizes, k, v) for k in ("linear_qkv",
+                                                                            "linear_proj")))
     mlp = sum(a * b for a, b in (_in_out(sizes, k, v) for k in _EXPERT_KINDS))
     if not shape.num_experts:
         return shape.num_layers * (per_layer + mlp) + shape.hidden_size * v
@@ -121,6 +167,11 @@ def active_linear_macs(shape: ModelShape) -> int:
 def _kind_rank(lora, sizes, kind: str) -> int:
     # Adapters of one kind share one rank (lora.sizes checks it), so the first name tells.
     return lora.adapter_config(_global_names(kind, sizes)[0]).rank
+
+
+def _attention_kind(shape: ModelShape, kind: str) -> bool:
+    return kind in ("linear_qkv", "linear_proj") or (
+        shape.mla is not None and kind in mla_linear_shapes(shape))
 
 
 def _visits(shape: ModelShape, kind: str) -> int:
@@ -139,8 +190,12 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
     sizes, v, h = shape_sizes(shape), shape.vocab_size, shape.hidden_size
     per_token, per_forward = 0.0, 0.0
     for kind in lora.target_modules:
-        r = _kind_rank(lora, sizes, kind)
-        n_in, n_out = _in_out(sizes, kind, v)
+        if _attention_kind(shape, kind):
+            r = lora.adapter_config(f"decoder.layers.0.self_attention.{kind}").rank
+            n_in, n_out = _attention_in_out(shape, sizes, kind)
+        else:
+            r = _kind_rank(lora, sizes, kind)
+            n_in, n_out = _in_out(sizes, kind, v)
         params = r * h if kind == "embedding" else r * (n_in + n_out)
         per_token += 6 * params * _visits(shape, kind)
         fs = shape.shared_expert_ffn_hidden_size
@@ -153,7 +208,8 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
             rows, cols = (2 * fd, h) if kind == "linear_fc1" else (h, fd)
             per_token += 6 * r * (rows + cols) * _layer_counts(shape)[1]
         if lora.use_dora:
-            adapters = len(_global_names(kind, sizes))  # every expert's norm, visited or not
+            adapters = (shape.num_layers if _attention_kind(shape, kind)  # every expert's norm,
+                        else len(_global_names(kind, sizes)))  # visited or not
             per_forward += 2 * n_out * n_in * (r + 1) * adapters
             if lora.lora_dropout > 0:
                 per_token += 4 * n_in * n_out * _visits(shape, kind)
@@ -163,6 +219,9 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
 
 def _prefix_flops(shape: ModelShape, lora) -> Tuple[float, float]:
     """(FLOPs per token, FLOPs per forward) of prefix tuning's keys, values and projection."""
+    if shape.mla is not None:
+        raise ValueError("prefix tuning FLOPs: a multi-latent attention model has no per-head "
+                         "key/value projection to prefix (not counted)")
     n, layers = lora.num_virtual_tokens, shape.num_layers
     head_dim = shape.head_dim
     per_token = 12 * n * shape.num_attention_heads * shape.head_dim * layers
@@ -190,7 +249,7 @@ def lora_step_flops(shape: ModelShape, lora_config, seq_len: int, tokens: int, *
                          f"{tokens}")
     micro_batches = micro_batches if micro_batches is not None else -(-tokens // seq_len)
     n = active_linear_macs(shape)
-    attention = 6 * seq_len * shape.num_attention_heads * shape.head_dim * shape.num_layers
+    attention = attention_flops_per_token(shape, seq_len)
     adapters, per_forward = 0.0, 0.0
     if lora_config is not None and lora_config.num_virtual_tokens:
         adapters, per_forward = _prefix_flops(shape, lora_config)
@@ -264,6 +323,6 @@ def step_throughput(model_chunks, shape: ModelShape, lora_config,
                                f"{count.per_token:.4g} per token (docs/training.md); {note}")
 
 
-__all__ = ["BF16_PEAK_TFLOPS", "FlopCount", "active_linear_macs", "bf16_peak_tflops",
-           "device_peak", "lora_step_flops", "run_step_flops", "shape_sizes",
-           "step_throughput"]
+__all__ = ["BF16_PEAK_TFLOPS", "FlopCount", "active_linear_macs", "attention_flops_per_token",
+           "bf16_peak_tflops", "device_peak", "lora_step_flops", "mla_linear_shapes",
+           "run_step_flops", "shape_sizes", "step_throughput"]

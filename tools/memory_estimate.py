@@ -113,6 +113,11 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     if s.mla is not None and unfused_attention:
         raise ValueError("--unfused-attention: multi-latent attention runs on SDPAttention only "
                          "(models/mla.py); drop the flag")
+    counted = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") + MLA_INPUT_KINDS
+    uncounted = [t for t in targets if t not in counted]
+    if uncounted:
+        raise ValueError(f"--lora-target-modules {' '.join(uncounted)}: not counted by this "
+                         f"estimate; choose from {' '.join(counted)}")
     r = rank
     attn, attn_whole, lora_attn, attn_act = _attention(s, r, targets)
     expert = 3 * h * f
@@ -168,6 +173,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lora-target-modules", nargs="+", metavar="MODULE",
+                   default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                   help="the adapted linears, megatron's names as train's flag (default "
+                        "linear_qkv linear_proj linear_fc1 linear_fc2)")
     p.add_argument("--unfused-attention", action="store_true",
                    help="megatron's local attention (s x s scores kept) instead of flash attention")
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
@@ -182,6 +191,7 @@ def main() -> None:
         layout = ParallelLayout.parse(name)
         try:
             e = estimate(cfg, layout, args.world, args.seq, args.micro_batch_size, args.rank,
+                         targets=tuple(args.lora_target_modules),
                          unfused_attention=args.unfused_attention,
                          recompute=args.recompute_granularity,
                          base_quantization=args.base_quantization)

@@ -1,8 +1,9 @@
-"""One-shot GPU check: Mixtral-8x7B (or Qwen3-30B-A3B) layer shapes, bf16, sequence 4096, one GPU.
+"""One-shot GPU check: Mixtral-8x7B (Qwen3-30B-A3B, DeepSeek-V3) layer shapes, bf16, sequence 4096, one GPU.
 
     bash benchmarks/gpu/run.sh                       # on the GPU machine (installs .whl/ first)
     python benchmarks/gpu/check.py --base-quantization nf4   # + qlora (run.sh passes this)
     bash benchmarks/gpu/run.sh --shape qwen3-30b-a3b # Qwen3-30B-A3B layers (128 experts, top-8)
+    python benchmarks/gpu/check.py --shape deepseek-v3       # DeepSeek-V3 layers (run.sh runs it)
     python benchmarks/gpu/check.py --tiny            # CPU smoke test (the suite runs it)
 
 Builds a 2-layer model with Mixtral-8x7B layer shapes (h 4096, ffn 14336, 32 heads / 8 KV
@@ -24,6 +25,13 @@ own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward
 groups, per-head q/k RMSNorm, 128 experts top-8 of ffn 768, vocab 151936) and times the modes
 frozen, lora, full, lora_sequential and frozen_sequential (the MoE layer is where grouped experts
 must pay: 128 small GEMMs per weight in the sequential loop).
+--shape deepseek-v3 builds 2 MoE layers of DeepSeek-V3 (h 7168; multi-latent attention: 128
+heads, q_lora_rank 1536, kv_lora_rank 512, nope 128 + rope 64 per query/key head, v 128, YaRN
+factor 40 over 4096; 256 routed experts top-8 of ffn 2048, sigmoid scores with the expert bias,
+8 groups of which 4 are kept, scaling 2.5, one shared expert of 2048; vocab 129280), about 25 B
+parameters (50 GB in bf16), and times frozen and lora (LoRA r=16 on linear_proj and every fc1/fc2,
+routed and shared: the MLA q/kv projections are not LoRA targets yet); full fine-tuning of 25 B
+parameters (fp32 master weights and Adam: 16 bytes each) does not fit one GPU.
 Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
 wall time), tokens/s, peak memory (torch.cuda.max_memory_allocated, reset per mode).
 
@@ -36,7 +44,8 @@ weights get no weight gradient); frozen 4 N + attention. N = the base linears a 
 training/flops.py; --peak-tflops overrides it; none on CPU).
 
 Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, flops_per_token,
-model_tflops, mfu (null without a peak), peak_memory_bytes (qlora also nf4_linears and
+model_tflops, mfu (null without a peak), peak_memory_bytes, trainable_parameters and parameters
+(the elements of model.parameters()) (qlora also nf4_linears and
 nf4_bytes_per_parameter, the bytes its NF4 linears hold per parameter they stand for);
 lora_over_frozen, lora_over_full, dora_over_lora, prefix_over_lora and qlora_over_lora (step-time
 ratios; null when a mode was not timed), grouped_over_sequential_lora and _frozen; the shape;
@@ -65,11 +74,37 @@ SHAPE_QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, ffn_hidden_size=
                            num_attention_heads=32, num_query_groups=4, kv_channels=128,
                            qk_layernorm=True, num_experts=128, moe_router_topk=8,
                            max_position_embeddings=4096, rotary_base=1e6, norm_epsilon=1e-6)
-SHAPES = {"mixtral-8x7b": SHAPE_8X7B, "qwen3-30b-a3b": SHAPE_QWEN3_30B_A3B}
+# DeepSeek-V3's config.json sizes (2 of its 58 MoE layers; examples/deepseek_v3/config.json).
+SHAPE_DEEPSEEK_V3 = dict(
+    vocab_size=129280, hidden_size=7168, ffn_hidden_size=2048, num_layers=2,
+    num_attention_heads=128, num_query_groups=128, kv_channels=192, num_experts=256,
+    moe_router_topk=8, shared_expert_ffn_hidden_size=2048, moe_router_score_function="sigmoid",
+    moe_router_expert_bias=True, moe_router_num_groups=8, moe_router_group_topk=4,
+    moe_router_topk_scaling_factor=2.5, max_position_embeddings=4096, rotary_base=10000.0,
+    norm_epsilon=1e-6,
+    yarn=dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+              mscale=1.0, mscale_all_dim=1.0),
+    mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+             v_head_dim=128))
+SHAPES = {"mixtral-8x7b": SHAPE_8X7B, "qwen3-30b-a3b": SHAPE_QWEN3_30B_A3B,
+          "deepseek-v3": SHAPE_DEEPSEEK_V3}
 SHAPE_TINY = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers=2,
                   num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
                   max_position_embeddings=64, rotary_base=1e6, norm_epsilon=1e-5)
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+MLA_TARGETS = ["linear_proj", "linear_fc1", "linear_fc2"]  # no linear_qkv in MLA
+# Which modes each shape times (mode, grouped experts); qlora is added by --base-quantization nf4.
+ALL_MODES = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
+             ("lora", False), ("frozen", False)]
+SHAPE_MODES = {"qwen3-30b-a3b": ("frozen", "lora", "full"), "deepseek-v3": ("frozen", "lora")}
+
+
+def shape_modes(name: str) -> list:
+    """(mode, grouped experts) that --shape `name` times, in order."""
+    modes = [m for m in ALL_MODES if m[0] in SHAPE_MODES.get(name, (m[0],))]
+    if name == "deepseek-v3":  # 256 experts: grouped only (the sequential loop adds nothing new)
+        modes = [m for m in modes if m[1]]
+    return modes
 
 
 def _free_port() -> int:
@@ -78,8 +113,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def mode_config(mode: str):
-    """The LoraConfig a mode trains (None: full fine-tuning; frozen: lora's, adapters left out)."""
+def mode_config(mode: str, shape: dict = None):
+    """The LoraConfig a mode trains (None: full fine-tuning; frozen: lora's, adapters left out)
+    on a model of `shape` (multi-latent attention: MLA_TARGETS)."""
     from megatron_lora.lora.model import LoraConfig
 
     mode = mode.replace("_sequential", "")
@@ -89,7 +125,8 @@ def mode_config(mode: str):
         return None
     if mode == "prefix":
         return LoraConfig(num_virtual_tokens=20, target_modules=())
-    return LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, use_dora=mode == "dora")
+    targets = MLA_TARGETS if shape is not None and shape.get("mla") else TARGETS
+    return LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_dora=mode == "dora")
 
 
 def flops_per_token(shape: dict, seq: int, mode: str) -> float:
@@ -100,7 +137,8 @@ def flops_per_token(shape: dict, seq: int, mode: str) -> float:
     from megatron_lora.models.gpt import ModelShape
     from megatron_lora.training.flops import lora_step_flops
 
-    count = lora_step_flops(ModelShape(**shape), mode_config(mode), seq, seq, micro_batches=1)
+    count = lora_step_flops(ModelShape(**shape), mode_config(mode, shape), seq, seq,
+                            micro_batches=1)
     if mode.startswith("frozen"):  # the base of `lora` without its adapters
         count = replace(count, adapters=0.0, per_forward=0.0)
     return count.per_token
@@ -148,7 +186,7 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     if mode in ("lora", "dora", "prefix", "qlora"):
-        apply_lora(model, mode_config(mode), verbose=False)
+        apply_lora(model, mode_config(mode, shape), verbose=False)
     elif mode == "frozen":
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith("decoder.final_layernorm")
@@ -181,6 +219,7 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
         "mfu": round(tflops / args.peak_tflops, 4) if args.peak_tflops else None,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "parameters": sum(p.numel() for p in model.parameters()),
         **nf4,
     }
     del wrapped, optimizer, model
@@ -213,9 +252,22 @@ def main(argv=None) -> int:
     args.seq = args.seq or (64 if args.tiny else 4096)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    if args.shape == "deepseek-v3" and args.base_quantization == "nf4":
+        raise SystemExit("benchmarks/gpu/check.py: --base-quantization nf4 with --shape "
+                         "deepseek-v3: its qlora mode is not built; drop one of the flags")
     shape = SHAPE_TINY if args.tiny else SHAPES[args.shape]
     if args.tiny and args.shape == "qwen3-30b-a3b":  # the same quirks at tiny sizes
         shape = dict(shape, kv_channels=24, qk_layernorm=True, num_experts=8, moe_router_topk=4)
+    if args.tiny and args.shape == "deepseek-v3":  # MLA, sigmoid group routing, shared expert
+        shape = dict(shape, num_query_groups=4, kv_channels=None, num_experts=16,
+                     moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                     shared_expert_ffn_hidden_size=96,
+                     yarn=dict(SHAPE_DEEPSEEK_V3["yarn"], factor=4.0,
+                               original_max_position_embeddings=16),
+                     mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+                              qk_pos_emb_head_dim=4, v_head_dim=10),
+                     moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+                     moe_router_topk_scaling_factor=2.5)
     if args.tiny and args.base_quantization == "nf4":  # NF4 blocks: widths multiple of 64
         shape = dict(shape, ffn_hidden_size=128,
                      **({"kv_channels": 32} if "kv_channels" in shape else {}))
@@ -237,10 +289,7 @@ def main(argv=None) -> int:
         from megatron_lora.training.flops import bf16_peak_tflops
 
         args.peak_tflops = bf16_peak_tflops(torch.cuda.get_device_name())
-    modes = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
-             ("lora", False), ("frozen", False)]
-    if args.shape == "qwen3-30b-a3b":
-        modes = [m for m in modes if m[0] not in ("dora", "prefix")]
+    modes = shape_modes(args.shape)
     if args.base_quantization == "nf4":
         modes.append(("qlora", True))
     if args.modes:
@@ -282,7 +331,7 @@ def main(argv=None) -> int:
         "grouped_over_sequential_frozen": ratio("frozen", "frozen_sequential"),
         "flop_formula": "megatron_lora.training.flops.lora_step_flops: full 6N + attention, "
                         "lora/dora/prefix 4N + attention + adapters, frozen 4N + attention; "
-                        "attention = 6*L*s*d_attn (causal half)",
+                        "attention = 6*L*s*d_attn (causal half; MLA: 3*L*s*n*(qk + v))",
         "peak_tflops": args.peak_tflops,
         "seconds": round(time.time() - started, 1),
     }

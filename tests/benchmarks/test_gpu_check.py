@@ -136,3 +136,55 @@ def test_gpu_check_nf4_mode_smoke_on_cpu():
         qlora["ms_per_step"] / lora["ms_per_step"], rel=1e-3)
     assert result["lora_over_frozen"] is None  # frozen was not timed
 
+
+
+def test_gpu_check_deepseek_v3_shape_smoke_on_cpu():
+    """--shape deepseek-v3 at tiny sizes (multi-latent attention with q_lora_rank, 16 experts
+    top-4 in 4 groups of which 2 are kept, sigmoid scores with the expert bias, a shared expert,
+    YaRN) times frozen and lora. The model built is MLA's and the LoRA is on linear_proj and
+    every routed and shared fc1/fc2: their parameters counted by hand."""
+    from benchmarks.gpu.check import flops_per_token
+
+    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
+                          "--shape", "deepseek-v3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["shape_name"] == "deepseek-v3" and set(result["modes"]) == {"frozen", "lora"}
+    assert result["lora_over_full"] is None and result["lora_over_frozen"] > 0
+    frozen, lora = result["modes"]["frozen"], result["modes"]["lora"]
+    h, v, f, experts, layers, r = 64, 256, 96, 16, 2, 16  # the shared expert's ffn is f too
+    # q down 24 x h, q up (4 x 12) x 24, kv down (16 + 4) x h, kv up (4 x 18) x 16, proj h x 40
+    mla = 24 * h + 48 * 24 + 20 * h + 72 * 16 + h * 40 + 24 + 16  # + the latent norms
+    layer = mla + 2 * h + experts * h + (experts + 1) * 3 * h * f  # norms, router, experts
+    assert frozen["parameters"] == lora["parameters"] - lora["trainable_parameters"] == \
+        layers * layer + 2 * v * h + h
+    assert frozen["trainable_parameters"] == h  # the final norm
+    assert lora["trainable_parameters"] == layers * r * (
+        (40 + h) + (experts + 1) * ((h + 2 * f) + (f + h)))
+    for mode in (frozen, lora):
+        assert mode["flops_per_token"] == flops_per_token(_run_shape(result), 64, "lora"
+                                                          if mode is lora else "frozen")
+
+
+def test_deepseek_v3_shape_is_its_config():
+    """The check's DeepSeek-V3 sizes are what the family reads from its config.json."""
+    import dataclasses
+
+    from benchmarks.gpu.check import SHAPE_DEEPSEEK_V3
+    from megatron_lora.families import model_info
+
+    config = json.load(open(os.path.join(REPO, "examples", "deepseek_v3", "config.json")))
+    shape = model_info(config).shape
+    for key, value in SHAPE_DEEPSEEK_V3.items():
+        if key in ("yarn", "mla"):
+            assert {k: v for k, v in dataclasses.asdict(getattr(shape, key)).items()
+                    if k in value} == value, key
+        elif key not in ("num_layers", "max_position_embeddings"):
+            assert getattr(shape, key) == value, key
+    assert shape.moe_layer_pattern[-2:] == (1, 1)  # the check's 2 layers are MoE layers
+    with pytest.raises(SystemExit, match="--base-quantization nf4 with --shape deepseek-v3"):
+        from benchmarks.gpu.check import main
+
+        main(["--tiny", "--shape", "deepseek-v3", "--base-quantization", "nf4"])

@@ -47,7 +47,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_lora.lora.sizes import _features, _global_names
 from megatron_lora.families.shape import ModelShape
 
 _EXPERT_KINDS = ("linear_fc1", "linear_fc2")
@@ -79,6 +78,14 @@ class FlopCount:
         """{part: FLOPs of the step}, the fields that add up to `total`."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("tokens", "micro_batches")}
+
+
+def _global_names(kind: str, sizes) -> list:
+    # lora.sizes imports the lora package (megatron's layers): only when adapters are counted,
+    # so that tools/memory_estimate.py can read mla_linear_shapes without it
+    from megatron_lora.lora.sizes import _global_names as names
+
+    return names(kind, sizes)
 
 
 def shape_sizes(shape: ModelShape) -> SimpleNamespace:
@@ -140,6 +147,8 @@ def _layer_counts(shape: ModelShape) -> Tuple[int, int]:
 
 
 def _in_out(sizes, kind: str, vocab: int) -> Tuple[int, int]:
+    from megatron_lora.lora.sizes import _features
+
     (n_in, _), (n_out, _) = _features(sizes, kind, vocab)
     return n_in, n_out
 

@@ -1,8 +1,9 @@
-"""The launch scripts in examples/mixtral_8x7b, examples/qwen3_moe, examples/glm4_moe and
-examples/gpt_oss use only flags `megatron-lora train` accepts, with the fast path (sequence 4096,
-memory-efficient attention; grouped experts are the default), so the scripts cannot rot silently;
-the GPT-OSS scripts' layouts fit their published configs at their torchrun world (biased experts
-at expert-TP 1). The scripts need GPUs to run; here their `megatron_lora train ...` arguments go
+"""The launch scripts in examples/mixtral_8x7b, examples/qwen3_moe, examples/glm4_moe,
+examples/gpt_oss and examples/deepseek_v3 use only flags `megatron-lora train` accepts, with the
+fast path (sequence 4096, memory-efficient attention; grouped experts are the default), so the
+scripts cannot rot silently; the GPT-OSS and DeepSeek-V3 scripts' layouts fit their published
+configs at their torchrun world (biased experts at expert-TP 1; DeepSeek-V3's multi-latent
+attention split over TP8, its LoRA targets and NF4 blocks accepted). The scripts need GPUs to run; here their `megatron_lora train ...` arguments go
 through the real parser."""
 
 import os
@@ -17,6 +18,8 @@ SCRIPTS = [os.path.join("mixtral_8x7b", s) for s in ("train_1node.sh", "train_mu
     [os.path.join("qwen3_moe", s) for s in ("train_1node.sh", "train_multinode.sh")] + \
     [os.path.join("glm4_moe", "train_1node.sh")] + \
     [os.path.join("gpt_oss", s) for s in ("train_20b_1gpu.sh", "train_120b_1node.sh")]
+DEEPSEEK_SCRIPTS = [os.path.join("deepseek_v3", s) for s in ("train_nodes.sh",
+                                                             "train_1node_nf4.sh")]
 
 
 def _train_args(path):
@@ -27,7 +30,7 @@ def _train_args(path):
     return [re.sub(r"\$\{?(\w+)[^}\s]*\}?", r"/placeholder/\1", w) for w in words if w != "$@"]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", SCRIPTS + DEEPSEEK_SCRIPTS)
 def test_example_script_flags_parse(script):
     from megatron_lora.cli import build_parser
 
@@ -37,8 +40,8 @@ def test_example_script_flags_parse(script):
     assert args.attention_backend == "flash"
     assert args.moe_grouped_gemm in (None, True)  # None: grouped experts with the local layers
     assert args.bf16 and (args.sequence_parallel or args.tensor_model_parallel_size == 1)
-    assert set(args.lora_target_modules) == {"linear_qkv", "linear_proj", "linear_fc1",
-                                             "linear_fc2"}
+    attention = {"linear_proj"} if script in DEEPSEEK_SCRIPTS else {"linear_qkv", "linear_proj"}
+    assert set(args.lora_target_modules) == attention | {"linear_fc1", "linear_fc2"}
 
 
 @pytest.mark.parametrize("script,config", [("train_20b_1gpu.sh", "config_20b.json"),
@@ -56,3 +59,37 @@ def test_gpt_oss_scripts_fit_their_models(script, config):
     info = model_info(json.load(open(os.path.join(REPO, "examples", "gpt_oss", config))))
     assert info.shape.yarn is not None and info.shape.yarn.factor == 32.0
     assert info.layout_problems(layout_from_args(args), world, flags=True) == []
+
+
+@pytest.mark.parametrize("script,world", [("train_nodes.sh", 16), ("train_1node_nf4.sh", 8)])
+def test_deepseek_v3_scripts_fit_the_model(script, world):
+    """At the script's world (2 nodes of 8 by default; one node), the published DeepSeek-V3
+    config accepts the layout (TP8 divides q_lora_rank 1536, kv_lora_rank + rope 576 and the 128
+    heads; EP over 256 experts), the LoRA targets and, for --base-quantization nf4, the NF4 block
+    widths per rank."""
+    import json
+
+    from megatron_lora.cli import build_parser
+    from megatron_lora.cli.common import layout_from_args
+    from megatron_lora.families import model_info
+    from megatron_lora.lora.model import LoraConfig
+    from megatron_lora.lora.sizes import model_problems
+    from megatron_lora.models.nf4_model import nf4_layout_problems
+
+    path = os.path.join(REPO, "examples", "deepseek_v3", script)
+    text = open(path).read()
+    assert world == 8 * int(re.search(r"--nnodes \"\$\{NNODES:-(\d+)\}\"", text).group(1)
+                            if "--nnodes" in text else 1)
+    args = build_parser().parse_args(["train"] + _train_args(path))
+    info = model_info(json.load(open(os.path.join(REPO, "examples", "deepseek_v3",
+                                                  "config.json"))))
+    assert info.shape.mla is not None and info.shape.num_experts == 256
+    layout = layout_from_args(args)
+    assert info.layout_problems(layout, world, flags=True) == []
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                      target_modules=args.lora_target_modules)
+    assert model_problems(lora, info) == []
+    assert (args.base_quantization == "nf4") == (script == "train_1node_nf4.sh")
+    assert nf4_layout_problems(info.shape, layout) == []
+    if script == "train_nodes.sh":
+        assert args.recompute_granularity == "full" and args.load and not args.load_hf

@@ -41,7 +41,7 @@ def _blocks(path: str, language: str):
 
 # The examples' READMEs whose bash blocks run here (memory tables of tools/memory_estimate.py;
 # the others show commands on the full-size models).
-EXAMPLE_PAGES = ("examples/gpt_oss/README.md",)
+EXAMPLE_PAGES = ("examples/gpt_oss/README.md", "examples/deepseek_v3/README.md")
 PAGES = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
          if _blocks(p, "bash")] + list(EXAMPLE_PAGES)
 
@@ -55,7 +55,8 @@ def _table_rows(text: str) -> list:
 def test_the_pages_with_commands_are_found():
     # the extraction itself works: these pages show runnable commands
     assert {"docs/conversion.md", "docs/peft.md", "docs/training.md", "docs/index.md",
-            "docs/lora.md", "examples/gpt_oss/README.md"} <= \
+            "docs/lora.md", "examples/gpt_oss/README.md",
+            "examples/deepseek_v3/README.md"} <= \
         set(PAGES), PAGES
 
 

@@ -5,7 +5,9 @@ gpt-oss-120b: 116.83B, with their biases and sinks; DeepSeek-V3: 671.0B without 
 multi-token-prediction layer) at one GPU, shrinks as the layout shards it, and counts a shared
 expert; multi-latent attention is counted tensor for tensor as transformers builds it (a tiny
 DeepSeek-V3 made from its config class), split over TP as models/mla.py splits it; the tables of
-examples/glm4_moe/README.md are the output of the commands shown above them."""
+examples/glm4_moe/README.md and the NF4 tables of examples/mixtral_8x7b and examples/qwen3_moe
+are the output of the commands shown above them (examples/deepseek_v3/README.md's run in
+tests/docs/test_docs_run.py)."""
 
 import importlib.util
 import json
@@ -80,10 +82,15 @@ def test_nf4_base_holds_the_decoder_linears_at_half_a_byte():
             {k: v for k, v in bf16.items() if k != "weights"}
 
 
-def test_the_glm_readme_tables_are_the_output_of_its_commands():
-    readme = open(os.path.join(ROOT, "examples", "glm4_moe", "README.md")).read()
+@pytest.mark.parametrize("example,count", [("glm4_moe", 3), ("mixtral_8x7b", 1),
+                                           ("qwen3_moe", 3)])
+def test_the_readme_tables_are_the_output_of_its_commands(example, count):
+    """The ```sh estimator commands of examples/<example>/README.md (GLM-4.5-Air on one node in
+    bf16 and NF4; the NF4 tables of Mixtral 8x7B and Qwen3-235B-A22B on 8 H200) print rows the
+    README shows."""
+    readme = open(os.path.join(ROOT, "examples", example, "README.md")).read()
     commands = re.findall(r"```sh\n(python tools/memory_estimate.py [^\n]*)\n```", readme)
-    assert len(commands) == 3, commands
+    assert len(commands) == count, commands
     for command in commands:
         out = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout

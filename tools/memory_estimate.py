@@ -28,15 +28,19 @@ Counts (bytes per GPU, bf16 model):
               recomputation: per layer 2*s*b*h*(5 attention inputs/outputs + 2*k*(1 + 3*f/h)
               expert tokens*k through fc1/act/fc2) / TP, times layers per stage times the 1F1B
               in-flight micro-batches (PP on the first stage)
-              multi-latent attention replaces the 5 h of attention by, per token (elements,
-              / TP): the layer input and its norm's output (2 h); the q latent and its norm's
-              output (2 q_lora_rank; none without q_lora_rank); the kv latent with the rope key
-              and its norm's output (2 kv_lora_rank + rope); the q and kv up projections'
-              outputs (n (nope + rope) + n (nope + v), kept by the rope's views of them); q, k
-              and v as the attention kernel keeps them, zero-padded to one head size w = max(nope
-              + rope, v) (3 n w, models/attention.py SDPAttention); the kernel's output (n w)
-              and linear_proj's input (n v); linear_proj's output (h); --unfused-attention is
-              refused (MLA runs on SDPAttention only)
+              multi-latent attention replaces the 5 h of attention by, per token (bf16
+              elements, / TP): the layer's input, its norm's output (the attention's input,
+              kept by both down projections) and the pre-MLP norm's input (3 h); the q latent
+              kept by its norm and the norm's output kept by the up projection (2 q_lora_rank),
+              the same for the kv latent (2 kv_lora_rank), and the latent norms' fp32 copies of
+              their inputs (2 q_lora_rank + 2 kv_lora_rank); q, k, v and the kernel's output,
+              each zero-padded to one head size w = max(nope + rope, v) (4 n w,
+              models/attention.py SDPAttention); linear_proj's input (n v). The up projections'
+              outputs are not kept (the rope multiplies them by constants); the kernel's
+              logsumexp (n fp32), the norms' rms and the rope's cos/sin are left out. On a
+              tiny model on CPU this is what autograd keeps, to those small terms
+              (tests/tools/test_memory_estimate.py). --unfused-attention is refused (MLA runs
+              on SDPAttention only)
               --recompute-granularity full (uniform, 1 layer per chunk): each layer keeps only
               its input [s/TP, b, h] in bf16, plus one layer's full activations while it is
               recomputed in backward; selective (core_attn): the s x s scores of
@@ -61,13 +65,20 @@ MLA_INPUT_KINDS = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj",
 
 
 def mla_activation_elements(shape) -> int:
-    """Elements one token of one layer's multi-latent attention keeps for backward, every TP rank
-    together (the module docstring lists them)."""
+    """bf16 elements one token of one layer's multi-latent attention keeps for backward, every TP
+    rank together (the module docstring lists them): the layer's input and the pre-MLP norm's
+    input (2 h) and what the attention module keeps (mla_attention_kept)."""
+    return 2 * shape.hidden_size + mla_attention_kept(shape)
+
+
+def mla_attention_kept(shape) -> int:
+    """The part the attention module itself keeps, per token: its input (h), the q and kv
+    latents and their norms' outputs, the norms' fp32 copies (2 bf16 elements each), q, k, v
+    and the output padded to one head size, linear_proj's input."""
     m, h, n = shape.mla, shape.hidden_size, shape.num_attention_heads
     width = max(m.q_head_dim, m.v_head_dim)  # SDPAttention's one head size
-    latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim
-    up = n * m.q_head_dim + n * (m.qk_head_dim + m.v_head_dim)
-    return 2 * h + latents + up + 3 * n * width + n * width + n * m.v_head_dim + h
+    latents = 4 * (m.q_lora_rank or 0) + 4 * m.kv_lora_rank
+    return h + latents + 4 * n * width + n * m.v_head_dim
 
 
 def _attention(s, r: int, targets) -> tuple:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # QLoRA fine-tuning of DeepSeek-V3 (671B) on one node of 8 H200: the frozen decoder linears
 # (multi-latent attention, dense MLPs, every routed and shared expert) held in NF4, TP8 x EP8 with
-# expert-TP 1 and sequence parallelism (about 75 GiB per GPU; 52 GiB with
+# expert-TP 1 and sequence parallelism (about 72 GiB per GPU; 52 GiB with
 # --recompute-granularity full: README.md).
 #   HF=/data/DeepSeek-V3 DATA=/data/train.jsonl SAVE=/ckpt/deepseek-v3-qlora bash train_1node_nf4.sh
 # The base is read straight from the HF folder: its FP8 weights are dequantised as they are read,

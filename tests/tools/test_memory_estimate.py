@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from megatron_lora.runtime import ParallelLayout
+from tests.harness import multirank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -172,19 +173,19 @@ def test_deepseek_nf4_holds_every_decoder_linear(tiny_deepseek):
 
 def test_deepseek_mla_activations_and_adapters_by_hand():
     """One token of one MLA layer keeps (h 64, 4 heads, q_lora_rank 24, kv_lora_rank 16, rope 4,
-    nope 8, v 10; q/k heads of 12, v padded to 12): input and norm output 2 x 64, q latent and
-    its norm 2 x 24, kv latent + rope key and its norm 20 + 16, the up projections' outputs
-    4 x 12 + 4 x 18, q, k, v 3 x 4 x 12, the kernel's output 4 x 12, linear_proj's input 4 x 10,
-    its output 64 = 628 elements; the MLP's tokens as for every family (1 dense layer of 96, 2
-    MoE layers of top-2 of 32 and a shared expert of 32). `linear_qkv` adapts the four q/kv
-    projections, `linear_proj` the output."""
+    nope 8, v 10; q/k heads of 12, v padded to 12): the layer's input, the attention's input and
+    the pre-MLP norm's input 3 x 64, the q latent and its norm's output 2 x 24 and the norm's
+    fp32 copy 2 x 24, the same for the kv latent 4 x 16, q, k, v and the kernel's output
+    4 x 4 x 12, linear_proj's input 4 x 10 = 584 elements; the MLP's tokens as for every family
+    (1 dense layer of 96, 2 MoE layers of top-2 of 32 and a shared expert of 32). `linear_qkv`
+    adapts the four q/kv projections, `linear_proj` the output."""
     cfg, _ = _tiny_deepseek()
     h, s, r = 64, 64, 16
     moe_width = 2 * 2 * (1 + 3 * 32 / h) + (1 + 3 * 32 / h)
     dense_width = 1 + 3 * 96 / h
     e = _estimate()(cfg, ParallelLayout(), 1, s, 1, r)
     assert e["activations"] == pytest.approx(
-        2 * s * (2 * (628 + h * moe_width) + (628 + h * dense_width)), rel=1e-12)
+        2 * s * (2 * (584 + h * moe_width) + (584 + h * dense_width)), rel=1e-12)
     attention = r * ((24 + 64) + (48 + 24) + (20 + 64) + (72 + 16)) + r * (40 + 64)
     only_attention = _estimate()(cfg, ParallelLayout(), 1, s, 1, r,
                                  targets=("linear_qkv", "linear_proj"))
@@ -209,3 +210,46 @@ def test_deepseek_v3_bf16_needs_two_nodes_of_h200():
                 "TP4xEP8xETP1+SP", "TP8xEP8xETP1+SP"]
     assert best(8, one_node) > h200
     assert best(16, ["TP8xEP16xETP1+SP"]) < 0.7 * h200
+
+
+@multirank(world_size=1, timeout=300)
+def test_mla_activations_are_what_autograd_keeps(layout=ParallelLayout()):
+    """The estimate's MLA attention part is what megatron's MLA layer (models/mla.py, bf16, CPU)
+    saves for backward, measured with saved-tensor hooks (each storage once, parameters not
+    counted), up to the terms left out: the kernel's logsumexp (n fp32 per token), the two
+    latent norms' rms (fp32), the rope's cos and sin (rope bf16 per position, saved twice each)."""
+    import torch
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_lora.families import model_info
+    from megatron_lora.models.mla import mla_attention_spec, mla_config_kwargs
+
+    spec = importlib.util.spec_from_file_location(
+        "memory_estimate", os.path.join(ROOT, "tools", "memory_estimate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for q_lora_rank in (24, None):
+        cfg = dict(_tiny_deepseek(q_lora_rank=q_lora_rank)[0])
+        shape = model_info(cfg).shape
+        config = MLATransformerConfig(
+            num_layers=1, hidden_size=64, num_attention_heads=4, params_dtype=torch.bfloat16,
+            bf16=True, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+            **mla_config_kwargs(shape))
+        attention = build_module(mla_attention_spec(), config=config, layer_number=1)
+        weights = {p.untyped_storage().data_ptr() for p in attention.parameters()}
+        s, b, n, rope = 32, 2, 4, 4
+        kept = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(s, b, 64, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attention(x, None)[0].sum().backward()
+        left_out = 4 * n + 4 * (2 if q_lora_rank else 1) + 2 * 2 * rope * 2 / b
+        measured = sum(kept.values()) / (s * b)
+        estimated = 2 * module.mla_attention_kept(shape) + left_out
+        assert measured == estimated, (q_lora_rank, measured, estimated)

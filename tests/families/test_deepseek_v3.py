@@ -196,13 +196,18 @@ MLA_INPUTS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
 
 @pytest.fixture(scope="module")
 def trained(ds):
-    # PP2xEP2: the dense layer 0 and the MoE layer 1 on stage 0, the experts over EP
-    return F.train_and_export(ds, ds["hf"], TARGETS, layouts=(F.PP2_EP2,))
+    # PP2xEP2: the dense layer 0 and the MoE layer 1 on stage 0, the experts over EP; TP2xEP2+SP:
+    # every MLA projection split over TP (the down projections' outputs gathered back)
+    return F.train_and_export(ds, ds["hf"], TARGETS, layouts=(F.PP2_EP2, F.TP2_EP2_SP))
 
 
-def test_training_at_pp2_ep2_is_the_one_rank_run(trained):
+@pytest.mark.parametrize("run", ["run4", "run_tp"], ids=["PP2xEP2", "TP2xEP2+SP"])
+def test_training_is_the_one_rank_run(trained, run):
     """Every MLA projection has its adapter (linear_qkv covers them), trained as at one rank."""
-    adapter = F.check_training_parity(trained, "run4")
+    # At TP2xEP2+SP single expert elements moved up to 3.6e-4 (1 of 128 in layer 3's expert 5
+    # fc2 A; its other elements within 1e-6, every other adapter within 2e-5): Adam's step on a
+    # gradient that nearly cancels, 1.8% of one 2e-2 step; a wrong gradient moves whole steps
+    adapter = F.check_training_parity(trained, run, atol=1e-4 if run == "run4" else 5e-4)
     attention = sorted({k.split(".self_attention.")[1].split(".lora_")[0]
                         for k in adapter if ".self_attention." in k})
     assert attention == sorted(MLA_INPUTS + ("linear_proj",)), attention

@@ -51,7 +51,7 @@ import torch
 
 from megatron_lora.convert.fused_experts import FusedExperts, OneExpert
 from megatron_lora.convert.mapping import QKV, Direct, Zeros, mcore_tensors
-from megatron_lora.convert.mla_tensors import RopeRows
+from megatron_lora.convert.sources import RopeRows
 from megatron_lora.families import ModelInfo
 
 PEFT_PREFIX = "base_model.model."

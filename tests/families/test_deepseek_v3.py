@@ -260,3 +260,20 @@ def test_merged_export_is_the_adapted_model_with_the_mtp_layer(trained, tmp_path
         assert torch.equal(merged[name], original[name]), name
     assert not torch.equal(merged["model.layers.1.self_attn.kv_b_proj.weight"],
                            original["model.layers.1.self_attn.kv_b_proj.weight"])
+
+
+def test_the_export_note_says_q_a_and_kv_a_share_a_rank(trained, tmp_path):
+    """vLLM packs q_a_proj and kv_a_proj_with_mqa into one module: the export says whether
+    their ranks agree (they do by default; a rank pattern can make them differ)."""
+    from megatron_lora.export.to_peft import _packed_note, export_peft
+
+    notes = []
+    export_peft(trained["exported"], str(tmp_path / "peft"), hf_config=trained["hf"],
+                notes=notes)
+    assert "q_a_proj and kv_a_proj_with_mqa have the same rank 4 (vLLM packs them" in \
+        " ".join(notes), notes
+    values = {"model.layers.1.self_attn.q_a_proj": (4, 8),
+              "model.layers.1.self_attn.kv_a_proj_with_mqa": (2, 8)}
+    assert _packed_note(DEEPSEEK_V3.names, values) == [
+        "q_a_proj has rank 4, kv_a_proj_with_mqa rank 2: vLLM packs the two into one module "
+        "and cannot serve different ranks (transformers + PEFT can)"]

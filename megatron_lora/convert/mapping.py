@@ -46,26 +46,10 @@ import torch
 
 from megatron_lora.convert import mla_tensors
 from megatron_lora.convert.layer_keys import layer_key, unstack
+from megatron_lora.convert.sources import Direct
 from megatron_lora.families import ModelInfo
 
 Slices = Tuple[slice, ...]
-
-
-class Direct:
-    """A chunk that is one HF tensor as is."""
-
-    def __init__(self, name: str, shape: Tuple[int, ...]):
-        self.name, self.shape = name, tuple(shape)
-
-    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        return {self.name: self.shape}
-
-    def read(self, reader, index: Slices) -> torch.Tensor:
-        full = all(s.start == 0 and s.stop == n for s, n in zip(index, self.shape))
-        return reader.read(self.name, None if full else index)
-
-    def split(self, data: torch.Tensor) -> Dict[str, torch.Tensor]:
-        return {self.name: data.reshape(self.shape)}
 
 
 class Zeros:

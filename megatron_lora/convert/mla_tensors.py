@@ -24,45 +24,17 @@ copied as they are.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
-import torch
+from megatron_lora.convert.sources import Direct, RopeRows
 
 ATTN = "decoder.layers.self_attention."
 INPUT_NORM = "decoder.layers.input_layernorm.weight"
 
 
-class RopeRows:
-    """An HF tensor [groups * (lead + r), cols] whose last r rows of each group are reordered
-    on the megatron side (to_mcore order: models/mla.py rope_row_order). Reads the whole HF
-    tensor (one attention projection) and slices the box."""
-
-    def __init__(self, name: str, shape: Tuple[int, ...], groups: int, lead: int,
-                 to_mcore: torch.Tensor, to_hf: torch.Tensor):
-        self.name, self.shape = name, tuple(shape)
-        self.groups, self.lead = groups, lead
-        self.to_mcore, self.to_hf = to_mcore, to_hf
-
-    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        return {self.name: self.shape}
-
-    def _rows(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        w = t.reshape(self.groups, self.lead + len(order), -1)
-        w = torch.cat([w[:, :self.lead], w[:, self.lead:][:, order]], dim=1)
-        return w.reshape(t.shape)
-
-    def read(self, reader, index) -> torch.Tensor:
-        full = self._rows(reader.read(self.name, None), self.to_mcore)
-        return full[tuple(index)].contiguous()
-
-    def split(self, data: torch.Tensor) -> Dict[str, torch.Tensor]:
-        return {self.name: self._rows(data.reshape(self.shape), self.to_hf).contiguous()}
-
-
 def attention_tensors(info, p: str) -> List[Tuple[str, object]]:
     """(stacked megatron key, source) of one MLA layer's attention, input norm first; p: the
     layer's HF prefix ("" gives the sources' shapes)."""
-    from megatron_lora.convert.mapping import Direct
     from megatron_lora.models.mla import rope_row_order
 
     s, names = info.shape, info.family.names

@@ -133,7 +133,7 @@ class _ModuleNames:
         n, self.aliases = family.names, family.module_aliases
         mod = lambda w: re.escape(w[: -len(".weight")])  # noqa: E731
         self.layer, self.expert, self.router = n.layer, n.layer + n.expert, n.layer + n.router
-        self.attn = re.compile(f"^{_template(n.layer)}({'|'.join(mod(w) for w in (n.q, n.k, n.v, n.o))})$")
+        self.attn = re.compile(f"^{_template(n.layer)}({'|'.join(mod(w) for w in n.attention_linears())})$")
         self.experts = re.compile(f"^{_template(self.expert)}("
                                   f"{'|'.join(mod(w) for w in (n.expert_gate, n.expert_up, n.expert_down))})$")
         self.gate = re.compile(f"^{_template(self.router[: -len('.weight')])}$")
@@ -142,7 +142,7 @@ class _ModuleNames:
         self.dense = re.compile(f"^{_template(n.layer + n.dense_mlp)}("
                                 f"{'|'.join(mod(w) for w in (n.expert_gate, n.expert_up, n.expert_down))})$")
         self.attn_names = ", ".join(w[: -len(".weight")].rsplit(".", 1)[-1]
-                                    for w in (n.q, n.k, n.v, n.o))
+                                    for w in n.attention_linears())
 
     def canonical(self, module: str) -> str:
         """The on-disk module name of a name PEFT may use in memory (module_aliases)."""

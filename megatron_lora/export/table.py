@@ -51,6 +51,7 @@ import torch
 
 from megatron_lora.convert.fused_experts import FusedExperts, OneExpert
 from megatron_lora.convert.mapping import QKV, Direct, Zeros, mcore_tensors
+from megatron_lora.convert.sources import RopeRows
 from megatron_lora.families import ModelInfo
 
 PEFT_PREFIX = "base_model.model."
@@ -104,7 +105,11 @@ KINDS: Tuple[Kind, ...] = (
          "linear_fc1"),
     Kind("dense_fc2", "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.linear_fc2.", 1,
          "linear_fc2"),
-)
+) + tuple(  # multi-latent attention's input projections: the linear_qkv target there
+    Kind(name, f"decoder.layers.self_attention.{name}.weight",
+         f"decoder.layers.self_attention.{name}.", 1, "linear_qkv")
+    for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                 "linear_kv_down_proj", "linear_kv_up_proj"))
 KIND_BY_NAME: Dict[str, Kind] = {k.name: k for k in KINDS}
 # re.search patterns selecting one kind among megatron's global adapter names (LoraConfig patterns)
 KIND_PATTERN: Dict[str, str] = {
@@ -119,6 +124,9 @@ KIND_PATTERN: Dict[str, str] = {
     "shared_fc2": r"shared_experts\.linear_fc2$",
     "dense_fc1": r"layers\.\d+\.mlp\.linear_fc1$",
     "dense_fc2": r"layers\.\d+\.mlp\.linear_fc2$",
+    **{name: rf"self_attention\.{name}$" for name in ("linear_q_proj", "linear_q_down_proj",
+                                                     "linear_q_up_proj", "linear_kv_down_proj",
+                                                     "linear_kv_up_proj")},
 }
 
 
@@ -132,8 +140,14 @@ def short_name(module: str) -> str:
 
 
 def hf_short(info: ModelInfo, kind: Kind) -> Tuple[str, ...]:
-    """PEFT `target_modules` names of `kind` in `info`'s family (`q_proj`, `w1`, ...)."""
-    return info.family.names.kind_modules()[kind.target_kind]
+    """PEFT `target_modules` names of `kind` in `info`'s family (`q_proj`, `w1`, ...); a
+    multi-latent attention projection's is its one HF module's (`kv_b_proj`)."""
+    names = info.family.names.kind_modules()[kind.target_kind]
+    if kind.target_kind == "linear_qkv" and kind.name != "linear_qkv":
+        base = {t.key: t for t in mcore_tensors(info, stacked=True)}[kind.base_key]
+        return tuple(dict.fromkeys(short_name(module_of(n))
+                                   for n in base.chunks[0].source.hf_shapes()))
+    return names
 
 
 @dataclass(frozen=True)
@@ -172,6 +186,8 @@ def _global_name(kind: str, index: Tuple[int, ...]) -> str:
     if kind in ("embedding", "output_layer"):
         return kind
     layer = f"decoder.layers.{index[0]}"
+    if kind.startswith("linear_q") or kind.startswith("linear_kv"):  # MLA projections
+        return f"{layer}.self_attention.{kind}"
     return {
         "linear_qkv": f"{layer}.self_attention.linear_qkv",
         "linear_proj": f"{layer}.self_attention.linear_proj",
@@ -242,6 +258,9 @@ def _with_columns(source, r: int):
         return Direct(source.name, (source.shape[0], r))
     if isinstance(source, Zeros):
         return Zeros((source.shape[0], r), torch.float32)
+    if isinstance(source, RopeRows):
+        return RopeRows(source.name, (source.shape[0], r), source.groups, source.lead,
+                        source.to_mcore, source.to_hf)
     # OneExpert: a fused parameter's adapter is PEFT's one pair a layer (export/peft_fused.py)
     raise TypeError(f"{type(source).__name__} rows are not split per HF module")
 

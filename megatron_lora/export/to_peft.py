@@ -224,6 +224,7 @@ def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = Fa
         names.parameter_modules())
     if notes is not None:
         notes.extend(changed)
+        notes.extend(_packed_note(names, values))
     config = adapter_config_dict(
         r=default[0], lora_alpha=default[1], use_rslora=use_rslora,
         target_modules=shorts, rank_pattern=rank_p, alpha_pattern=alpha_p,
@@ -324,3 +325,17 @@ def _export_prefix(ckpt: AdapterCheckpoint, info, save: str, overwrite: bool,
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
     return config
+
+
+def _packed_note(names, values: dict) -> List[str]:
+    """Multi-latent attention: vLLM packs q_a_proj and kv_a_proj_with_mqa into one module, so
+    their adapters must share a rank there; say whether this export's do."""
+    q_a, kv_a = short_name(module_of(names.q_a)), short_name(module_of(names.kv_a))
+    ranks = {short_name(m): r for m, (r, _) in values.items()}
+    if not names.mla or q_a not in ranks or kv_a not in ranks:
+        return []
+    if ranks[q_a] == ranks[kv_a]:
+        return [f"{q_a} and {kv_a} have the same rank {ranks[q_a]} (vLLM packs them into one "
+                f"module and needs that)"]
+    return [f"{q_a} has rank {ranks[q_a]}, {kv_a} rank {ranks[kv_a]}: vLLM packs the two into "
+            f"one module and cannot serve different ranks (transformers + PEFT can)"]

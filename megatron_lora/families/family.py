@@ -66,6 +66,12 @@ class HFNames:
                 "linear_fc1": (s(self.expert_gate), s(self.expert_up)),
                 "linear_fc2": (s(self.expert_down),), "output_layer": (s(self.output),)}
 
+    def attention_linears(self) -> Tuple[str, ...]:
+        """The per-layer names (relative to `layer`) of the attention's linear weights."""
+        if self.mla:
+            return (self.q_a, self.q_b, self.q, self.kv_a, self.kv_b, self.o)
+        return (self.q, self.k, self.v, self.o)
+
     def peft_order(self) -> Tuple[str, ...]:
         """Short module names in the order an exported adapter_config.json lists them."""
         return tuple(m for ms in self.kind_modules().values() for m in ms)
@@ -181,7 +187,16 @@ class ModelInfo:
             moe_ffn_hidden_size=s.ffn_hidden_size, num_moe_experts=s.num_experts,
             moe_shared_expert_intermediate_size=s.shared_expert_ffn_hidden_size,
             moe_layer_freq=list(s.moe_layer_pattern) if s.moe_layer_pattern else 1,
-            gated_linear_unit=True)
+            gated_linear_unit=True, **self._mla_sizes())
+
+    def _mla_sizes(self) -> dict:
+        """MLATransformerConfig's size fields of a multi-latent attention model; {} otherwise."""
+        m = self.shape.mla
+        if m is None:
+            return {}
+        return dict(multi_latent_attention=True, q_lora_rank=m.q_lora_rank,
+                    kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+                    qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim)
 
     def layout_problems(self, layout: ParallelLayout, world_size: int,
                         flags: bool = False) -> list:

@@ -130,6 +130,7 @@ class LoraAdapter(torch.nn.Module):
             m = D.weight_norm(self)
             setattr(self, D.MAGNITUDE, torch.nn.Parameter(m.to(dtype=dtype).contiguous()))
         self._set_parallel_attributes(weight)
+        _adopt_forward_hooks(self, base_layer)
         if freeze_base:
             for p in base_layer.parameters(recurse=False):
                 p.requires_grad_(False)
@@ -382,3 +383,16 @@ class LoraAdapter(torch.nn.Module):
             f"scaling={self.scaling:g}, dropout={self.config.dropout}, merged={self.merged}"
             + (", dora" if self.magnitude is not None else "")
         )
+
+
+def _adopt_forward_hooks(adapter: torch.nn.Module, base_layer: torch.nn.Module) -> None:
+    """Move the base's forward hooks onto the adapter, so that code which post-processes the
+    layer's output sees the adapted output, as it did the base's: megatron_lora's MLA gathers
+    linear_kv_down_proj's TP chunks in such a hook (models/mla.py); left on the base, it would
+    gather the base's chunk only and the adapter's update could not be added to it."""
+    for handle_id, hook in list(base_layer._forward_hooks.items()):
+        adapter._forward_hooks[handle_id] = hook
+        for flags in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            if handle_id in getattr(base_layer, flags, {}):
+                getattr(adapter, flags)[handle_id] = getattr(base_layer, flags).pop(handle_id)
+    base_layer._forward_hooks.clear()

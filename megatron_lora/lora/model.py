@@ -35,6 +35,10 @@ from megatron_lora.lora.trainable_tokens import DELTA as TOKENS_DELTA
 from megatron_lora.lora.trainable_tokens import model_token_problems, wrap_model_tokens
 
 
+# The attention's input projections, which the target kind linear_qkv covers: fused q/k/v, or
+# multi-latent attention's (q down/up or one q projection, kv down/up), in megatron's names.
+ATTENTION_INPUTS = ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                    "linear_kv_down_proj", "linear_kv_up_proj")
 _DORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
@@ -199,7 +203,9 @@ def _sites(model) -> List[Tuple[str, str, torch.nn.Module, str]]:
     for layer in getattr(decoder, "layers", []):
         prefix = global_layer_prefix(layer)
         attn = layer.self_attention
-        sites.append(("linear_qkv", f"{prefix}.self_attention.linear_qkv", attn, "linear_qkv"))
+        for attr in ATTENTION_INPUTS:  # q/k/v fused, or multi-latent attention's projections
+            if getattr(attn, attr, None) is not None:
+                sites.append(("linear_qkv", f"{prefix}.self_attention.{attr}", attn, attr))
         sites.append(("linear_proj", f"{prefix}.self_attention.linear_proj", attn, "linear_proj"))
         mlp = layer.mlp
         if isinstance(mlp, MoELayer):

@@ -24,6 +24,24 @@ def model_kinds(config) -> Tuple[str, ...]:
     return tuple(k for k in KINDS if k in kinds)
 
 
+def mla_projections(config) -> List[Tuple[str, Tuple[int, str], Tuple[int, str]]]:
+    """(attribute, (in_features, what), (out_features, what)) of each input projection of a
+    multi-latent attention layer (the linear_qkv kind there, one adapter stack each); [] for a
+    model without MLA (config.multi_latent_attention)."""
+    if not getattr(config, "multi_latent_attention", False):
+        return []
+    h, n, q, kv = (config.hidden_size, config.num_attention_heads, config.q_lora_rank,
+                   config.kv_lora_rank)
+    nope, rope, v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+    hid, heads = (h, "hidden size"), (n * (nope + rope), "heads x (nope + rope) head dim")
+    q_proj = ([("linear_q_proj", hid, heads)] if q is None else
+              [("linear_q_down_proj", hid, (q, "q_lora_rank")),
+               ("linear_q_up_proj", (q, "q_lora_rank"), heads)])
+    return q_proj + [("linear_kv_down_proj", hid, (kv + rope, "kv_lora_rank + rope head dim")),
+                     ("linear_kv_up_proj", (kv, "kv_lora_rank"),
+                      (n * (nope + v), "heads x (nope + value) head dim"))]
+
+
 def _features(config, kind: str, vocab_size: int) -> Tuple[Tuple[int, str], Tuple[int, str]]:
     """((in_features, what), (out_features, what)) of a target kind's global weight, from the
     config alone; `what` names the model sizes each comes from (for messages)."""
@@ -32,6 +50,8 @@ def _features(config, kind: str, vocab_size: int) -> Tuple[Tuple[int, str], Tupl
     ffn = config.moe_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
     fc1 = ffn * (2 if config.gated_linear_unit else 1)
     hid, inter = (h, "hidden size"), (ffn, "ffn hidden size")
+    if kind == "linear_proj" and getattr(config, "multi_latent_attention", False):
+        return (heads * config.v_head_dim, "heads x value head dim"), hid
     return {
         "linear_qkv": (hid, ((heads + 2 * groups) * d, "(heads + 2 kv heads) x head dim")),
         "linear_proj": ((heads * d, "heads x head dim"), hid),
@@ -131,7 +151,12 @@ def _stacks(tconf, kinds, vocab_size: int):
     tensor: a kind's routed (or dense) adapters, the shared experts' of fc1 / fc2, and the dense
     layers' MLP (between MoE layers) of fc1 / fc2."""
     for kind in kinds:
-        yield kind, _global_names(kind, tconf, shared=False), _features(tconf, kind, vocab_size)
+        mla = mla_projections(tconf) if kind == "linear_qkv" else []
+        for attr, n_in, n_out in mla:
+            yield kind, _mla_names(attr, tconf), (n_in, n_out)
+        if not mla:
+            yield kind, _global_names(kind, tconf, shared=False), _features(tconf, kind,
+                                                                            vocab_size)
         dense = _dense_names(kind, tconf)
         if dense:
             fd = tconf.ffn_hidden_size
@@ -158,12 +183,18 @@ def _global_names(kind: str, tconf, shared: bool = True) -> List[str]:
     if kind == "router":
         return [f"decoder.layers.{l}.mlp.router" for l, moe in enumerate(_moe_layers(tconf))
                 if moe]
+    if kind == "linear_qkv" and mla_projections(tconf):
+        return [n for attr, _, _ in mla_projections(tconf) for n in _mla_names(attr, tconf)]
     if kind in ("linear_qkv", "linear_proj"):
         return [f"decoder.layers.{l}.self_attention.{kind}" for l in layers]
     if tconf.num_moe_experts:
         return [f"decoder.layers.{l}.mlp.experts.{e}.{kind}" for l, moe in
                 enumerate(_moe_layers(tconf)) if moe for e in range(tconf.num_moe_experts)]
     return [f"decoder.layers.{l}.mlp.{kind}" for l in layers]
+
+
+def _mla_names(attr: str, tconf) -> List[str]:
+    return [f"decoder.layers.{l}.self_attention.{attr}" for l in range(tconf.num_layers)]
 
 
 def _rank_consistency_problems(config, tconf,
@@ -173,9 +204,12 @@ def _rank_consistency_problems(config, tconf,
     between layers or experts of one kind."""
     problems = []
     for kind in config.target_modules:
-        for what, names in (("", _global_names(kind, tconf, shared=False)),
-                            ("shared-expert ", _shared_names(kind, tconf)),
-                            ("dense-MLP ", _dense_names(kind, tconf))):
+        mla = [(f"{attr} ", _mla_names(attr, tconf))
+               for attr, _, _ in (mla_projections(tconf) if kind == "linear_qkv" else [])]
+        groups = (mla or [("", _global_names(kind, tconf, shared=False))]) + [
+            ("shared-expert ", _shared_names(kind, tconf)),
+            ("dense-MLP ", _dense_names(kind, tconf))]
+        for what, names in groups:
             ranks = {config.adapter_config(n).rank for n in names}
             if len(ranks) > 1:
                 problems.append(

@@ -166,9 +166,9 @@ def adapter_tensors(run_dir: str) -> dict:
             if not k.startswith("optimizer.")}
 
 
-def check_training_parity(trained: dict, run: str = "run4") -> dict:
-    """The run at another layout (`run`) gives the one-rank losses (rel 1e-5) and adapter;
-    returns the adapter tensors."""
+def check_training_parity(trained: dict, run: str = "run4", atol: float = 1e-4) -> dict:
+    """The run at another layout (`run`) gives the one-rank losses (rel 1e-5) and adapter
+    (within `atol`, see below); returns the adapter tensors."""
     import pytest
 
     from megatron_lora.training.logging import read_metrics
@@ -180,9 +180,10 @@ def check_training_parity(trained: dict, run: str = "run4") -> dict:
     one, other = adapter_tensors(trained["run1"]), adapter_tensors(trained[run])
     assert sorted(one) == sorted(other)
     # Adam's steps are 2e-2 each, and it divides by the gradient's size: where a gradient is
-    # tiny its summation order (TP's all-reduce) moves the step; 5e-5 is 2.5e-3 of one step
+    # tiny its summation order (TP's all-reduce, PP's stage split) moves the step; 1e-4 is 5e-3
+    # of one step (one DeepSeek expert element moved 5.7e-5), a wrong gradient moves whole steps
     for key in one:
-        torch.testing.assert_close(other[key], one[key], rtol=1e-4, atol=5e-5, msg=key)
+        torch.testing.assert_close(other[key], one[key], rtol=1e-4, atol=atol, msg=key)
     return one
 
 

@@ -184,3 +184,96 @@ def test_logits_match_transformers(layout, world_size, ds):
 def test_logits_match_transformers_at_etp2_with_grouped_experts(ds):
     F.logits_at_layout(layout=ParallelLayout(ep=1, etp=2), grouped=True, world_size=2, paths=ds,
                        variants=list(VARIANTS))
+
+
+# ---- LoRA on every linear kind: train at PP2xEP2, export to PEFT, import, generate ----
+
+TARGETS = ["linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2", "embedding",
+           "output_layer"]
+MLA_INPUTS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+              "linear_kv_up_proj")
+
+
+@pytest.fixture(scope="module")
+def trained(ds):
+    # PP2xEP2: the dense layer 0 and the MoE layer 1 on stage 0, the experts over EP; TP2xEP2+SP:
+    # every MLA projection split over TP (the down projections' outputs gathered back)
+    return F.train_and_export(ds, ds["hf"], TARGETS, layouts=(F.PP2_EP2, F.TP2_EP2_SP))
+
+
+@pytest.mark.parametrize("run", ["run4", "run_tp"], ids=["PP2xEP2", "TP2xEP2+SP"])
+def test_training_is_the_one_rank_run(trained, run):
+    """Every MLA projection has its adapter (linear_qkv covers them), trained as at one rank."""
+    # At TP2xEP2+SP single expert elements moved up to 3.6e-4 (1 of 128 in layer 3's expert 5
+    # fc2 A; its other elements within 1e-6, every other adapter within 2e-5): Adam's step on a
+    # gradient that nearly cancels, 1.8% of one 2e-2 step; a wrong gradient moves whole steps
+    adapter = F.check_training_parity(trained, run, atol=1e-4 if run == "run4" else 5e-4)
+    attention = sorted({k.split(".self_attention.")[1].split(".lora_")[0]
+                        for k in adapter if ".self_attention." in k})
+    assert attention == sorted(MLA_INPUTS + ("linear_proj",)), attention
+    for name in MLA_INPUTS:
+        keys = [k for k in adapter if f".{name}.lora_B" in k]
+        assert len(keys) == 4 and all(adapter[k].abs().max() > 0 for k in keys), name
+
+
+def test_peft_export_loads_in_transformers_with_our_logits(trained):
+    config = F.check_peft_logits(trained)
+    assert config["auto_mapping"]["base_model_class"] == "DeepseekV3ForCausalLM"
+    # PEFT's names for MLA's projections; the dense layer's and the shared expert's MLP as
+    # target_parameters (PEFT 0.21 moves every target ending in gate_proj / up_proj / down_proj
+    # onto the routed experts for deepseek_v3, as for glm4_moe)
+    assert sorted(config["target_modules"]) == sorted(
+        ["embed_tokens", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+         "gate", "gate_proj", "up_proj", "down_proj", "lm_head"])
+    assert config["target_parameters"] == [
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+        "mlp.shared_experts.down_proj.weight"]
+
+
+def test_import_of_the_export_is_bit_identical(trained, tmp_path):
+    F.check_import_is_bit_identical(trained, str(tmp_path / "back"))
+
+
+def test_greedy_generate_with_the_adapter_is_transformers_peft(trained, tmp_path):
+    F.check_generate(trained, str(tmp_path))
+
+
+def test_merged_export_is_the_adapted_model_with_the_mtp_layer(trained, tmp_path):
+    """export hf --merge folds every adapter (the MLA projections included) into the weights:
+    transformers' logits of the merged folder are those of `logits --adapter`; the MTP layer
+    and the (frozen) score-correction biases are written back bit for bit."""
+    from safetensors.torch import load_file
+
+    from megatron_lora.export.merged import export_merged_hf
+    from tests.convert.test_roundtrip import read_hf_tensors
+
+    out = str(tmp_path / "merged")
+    export_merged_hf(trained["mcore"], trained["run4"], out, progress=False)
+    tokens = torch.tensor(json.load(open(trained["tokens"])))
+    diff = (F.hf_logits(out, tokens) - load_file(trained["logits"])["logits"]).abs().max().item()
+    assert diff <= F.TOL, f"max abs diff {diff:.3e}"
+    original, merged = read_hf_tensors(trained["hf"]), read_hf_tensors(out)
+    assert sorted(merged) == sorted(original)
+    kept = list(MTP) + [k for k in original if k.endswith("e_score_correction_bias")]
+    for name in kept:
+        assert torch.equal(merged[name], original[name]), name
+    assert not torch.equal(merged["model.layers.1.self_attn.kv_b_proj.weight"],
+                           original["model.layers.1.self_attn.kv_b_proj.weight"])
+
+
+def test_the_export_note_says_q_a_and_kv_a_share_a_rank(trained, tmp_path):
+    """vLLM packs q_a_proj and kv_a_proj_with_mqa into one module: the export says whether
+    their ranks agree (they do by default; a rank pattern can make them differ)."""
+    from megatron_lora.export.to_peft import _packed_note, export_peft
+
+    notes = []
+    export_peft(trained["exported"], str(tmp_path / "peft"), hf_config=trained["hf"],
+                notes=notes)
+    assert "q_a_proj and kv_a_proj_with_mqa have the same rank 4 (vLLM packs them" in \
+        " ".join(notes), notes
+    values = {"model.layers.1.self_attn.q_a_proj": (4, 8),
+              "model.layers.1.self_attn.kv_a_proj_with_mqa": (2, 8)}
+    assert _packed_note(DEEPSEEK_V3.names, values) == [
+        "q_a_proj has rank 4, kv_a_proj_with_mqa rank 2: vLLM packs the two into one module "
+        "and cannot serve different ranks (transformers + PEFT can)"]

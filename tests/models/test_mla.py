@@ -26,12 +26,13 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
 from megatron_lora.data.packing import inputs_labels_mask
+from megatron_lora.families import ModelConfigError, model_info
+from megatron_lora.models.gpt import transformer_config
 from megatron_lora.models.mla import (
     LocalMLASelfAttention,
     hf_to_mcore_attention,
     mcore_to_hf_attention,
     mla_attention_spec,
-    mla_config_kwargs,
 )
 from megatron_lora.runtime import ParallelLayout
 from tests.harness import multirank
@@ -94,15 +95,33 @@ def _hf_state(attention):
     return {k: v.detach().clone() for k, v in attention.state_dict().items()}
 
 
+def _shape(hf_config):
+    """The ModelShape the DeepSeek family reader makes of a config (routing made valid: only
+    the attention is built here)."""
+    return model_info(dict(hf_config.to_dict(), num_experts_per_tok=2, n_group=1, topk_group=1,
+                           first_k_dense_replace=0,
+                           norm_topk_prob=hf_config.model_type == "deepseek_v3")).shape
+
+
+def _config(hf_config, tp=1, sp=False, **overrides):
+    return transformer_config(_shape(hf_config), ParallelLayout(tp=tp, sp=sp), **overrides)
+
+
 def _megatron(hf_config, tp=1, sp=False, **overrides):
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    kwargs = dict(mla_config_kwargs(hf_config), **overrides)
-    config = MLATransformerConfig(
-        num_layers=1, params_dtype=torch.float32, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, sequence_parallel=sp, **kwargs)
-    return build_module(mla_attention_spec(), config=config, layer_number=1)
+    return build_module(mla_attention_spec(), config=_config(hf_config, tp, sp, **overrides),
+                        layer_number=1)
+
+
+def _to_mcore(state, hf_config):
+    shape = _shape(hf_config)
+    return hf_to_mcore_attention(state, shape.mla, shape.num_attention_heads)
+
+
+def _to_hf(state, hf_config):
+    shape = _shape(hf_config)
+    return mcore_to_hf_attention(state, shape.mla, shape.num_attention_heads)
 
 
 def _load(module, state):
@@ -137,14 +156,14 @@ def _check_one_rank(name):
     ref = _hf_forward(name, attention, rotary, x_hf)
     ref.backward(grad)
     module = _megatron(config)
-    _load(module, hf_to_mcore_attention(_hf_state(attention), config))
+    _load(module, _to_mcore(_hf_state(attention), config))
     x_mc = x.transpose(0, 1).clone().requires_grad_(True)  # [s, b, h]
     out, bias = module(x_mc, None)
     assert bias is None
     out.backward(grad.transpose(0, 1))
     torch.testing.assert_close(out.transpose(0, 1), ref, rtol=0, atol=ATOL)
     torch.testing.assert_close(x_mc.grad.transpose(0, 1), x_hf.grad, rtol=0, atol=ATOL)
-    grads = mcore_to_hf_attention({k: p.grad for k, p in module.named_parameters()}, config)
+    grads = _to_hf({k: p.grad for k, p in module.named_parameters()}, config)
     for key, p in attention.named_parameters():
         torch.testing.assert_close(grads[key], p.grad, rtol=0, atol=ATOL,
                                    msg=lambda m, key=key: f"{key}: {m}")
@@ -186,11 +205,11 @@ def _controls(config, attention, module, x, ref):
         module.core_attention.softmax_scale = plain
         assert _max_diff(module(x_mc, None)[0].transpose(0, 1), ref) > 100 * ATOL
         module.core_attention.softmax_scale = right
-        permuted = hf_to_mcore_attention(_hf_state(attention), config.__class__(
+        permuted = _to_mcore(_hf_state(attention), config.__class__(
             **dict(config.to_dict(), rope_interleave=False)))
         _load(module, permuted)
         assert _max_diff(module(x_mc, None)[0].transpose(0, 1), ref) > 100 * ATOL
-        _load(module, hf_to_mcore_attention(_hf_state(attention), config))
+        _load(module, _to_mcore(_hf_state(attention), config))
         torch.testing.assert_close(module(x_mc, None)[0].transpose(0, 1), ref, rtol=0,
                                    atol=ATOL)
 
@@ -231,12 +250,8 @@ def test_mla_matches_transformers_at_one_rank(layout=ParallelLayout()):
     spec.submodules.core_attention = DotProductAttention
     with pytest.raises(TypeError, match="k_channels"):
         from megatron.core.transformer.spec_utils import build_module
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        build_module(spec, config=MLATransformerConfig(
-            num_layers=1, use_cpu_initialization=True,
-            **mla_config_kwargs(_hf_config("v3_q_lora"))),
-            layer_number=1)
+        build_module(spec, config=_config(_hf_config("v3_q_lora")), layer_number=1)
 
 
 @multirank(world_size=2, timeout=300)
@@ -251,7 +266,7 @@ def test_mla_matches_transformers_under_tp2_and_sp(layout=ParallelLayout(tp=2)):
         x_hf = x.clone().requires_grad_(True)
         ref = _hf_forward(name, attention, rotary, x_hf)
         ref.backward(grad)
-        state = hf_to_mcore_attention(_hf_state(attention), config)
+        state = _to_mcore(_hf_state(attention), config)
         for sp in (False, True):
             module = _megatron(config, tp=2, sp=sp)
             assert module.linear_kv_up_proj.weight.shape[0] == 2 * (8 + 10)  # 2 heads per rank
@@ -282,8 +297,7 @@ def _check_weight_grads(module, attention, config, rank):
     does for parameters marked sequence_parallel)."""
     from megatron.core import parallel_state
 
-    hf_grads = hf_to_mcore_attention({k: p.grad for k, p in attention.named_parameters()},
-                                     config)
+    hf_grads = _to_mcore({k: p.grad for k, p in attention.named_parameters()}, config)
     for name, p in module.named_parameters():
         grad = p.grad.clone()
         if getattr(p, "tensor_model_parallel", False):
@@ -301,33 +315,28 @@ def test_round_trip_and_refusals():
     config = _hf_config("v3_not_interleaved_yarn")
     _, attention, _ = _hf_attention("v3_not_interleaved_yarn")
     hf = _hf_state(attention)
-    mcore = hf_to_mcore_attention(hf, config)
+    mcore = _to_mcore(hf, config)
     assert not torch.equal(mcore["linear_q_up_proj.weight"], hf["q_b_proj.weight"])
-    back = mcore_to_hf_attention(mcore, config)
+    back = _to_hf(mcore, config)
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
     with pytest.raises(ValueError, match=r"missing \['q_a_layernorm.weight'\]"):
-        hf_to_mcore_attention({k: v for k, v in hf.items() if k != "q_a_layernorm.weight"}, config)
-    with pytest.raises(ValueError, match="attention_bias=true"):
-        mla_config_kwargs(config.__class__(**dict(config.to_dict(), attention_bias=True)))
+        _to_mcore({k: v for k, v in hf.items() if k != "q_a_layernorm.weight"}, config)
+    # what megatron's MLA cannot express is refused by the family reader, naming the field
+    with pytest.raises(ModelConfigError, match="field attention_bias=true"):
+        _shape(config.__class__(**dict(config.to_dict(), attention_bias=True)))
     bad = dict(YARN, mscale=None)
-    with pytest.raises(ValueError, match="rope_parameters.mscale_all_dim=0.8 without mscale"):
-        mla_config_kwargs(_hf_config_with(rope_parameters=bad))
-    with pytest.raises(ValueError, match="rope_parameters.rope_type='linear'"):
-        mla_config_kwargs(_hf_config_with(rope_parameters={"rope_type": "linear",
-                                                           "rope_theta": 50.0, "factor": 2.0}))
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    yarn = mla_config_kwargs(_hf_config_with(rope_parameters=YARN))
-    mla = MLATransformerConfig(num_layers=1, use_cpu_initialization=True,
-                               **dict(yarn, apply_rope_fusion=True))
+    with pytest.raises(ModelConfigError, match="mscale_all_dim=0.8 without mscale"):
+        _shape(_hf_config_with(rope_parameters=bad))
+    with pytest.raises(ModelConfigError, match="field rope_type='linear'"):
+        _shape(_hf_config_with(rope_parameters={"rope_type": "linear", "rope_theta": 50.0,
+                                                "factor": 2.0}))
+    yarn = _config(_hf_config_with(rope_parameters=YARN), apply_rope_fusion=True)
     with pytest.raises(ValueError, match="apply_rope_fusion=True"):
-        LocalMLASelfAttention(mla, mla_attention_spec().submodules, 1)
-    mla = MLATransformerConfig(num_layers=1, use_cpu_initialization=True,
-                               tensor_model_parallel_size=2,
-                               **dict(mla_config_kwargs(config), kv_lora_rank=15))
+        LocalMLASelfAttention(yarn, mla_attention_spec().submodules, 1)
+    uneven = _config(config, tp=2, kv_lora_rank=15)
     with pytest.raises(ValueError, match=r"needs kv_lora_rank \+ qk_rope_head_dim=19 to divide "
                                          r"by the tensor-parallel size 2;"):
-        LocalMLASelfAttention(mla, mla_attention_spec().submodules, 1)
+        LocalMLASelfAttention(uneven, mla_attention_spec().submodules, 1)
 
 
 def _hf_config_with(**fields):

@@ -29,9 +29,10 @@ must pay: 128 small GEMMs per weight in the sequential loop).
 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128 + rope 64 per query/key head, v 128, YaRN
 factor 40 over 4096; 256 routed experts top-8 of ffn 2048, sigmoid scores with the expert bias,
 8 groups of which 4 are kept, scaling 2.5, one shared expert of 2048; vocab 129280), about 25 B
-parameters (50 GB in bf16), and times frozen and lora (LoRA r=16 on linear_proj and every fc1/fc2,
-routed and shared: the MLA q/kv projections are not LoRA targets yet); full fine-tuning of 25 B
-parameters (fp32 master weights and Adam: 16 bytes each) does not fit one GPU.
+parameters (50 GB in bf16), and times frozen and lora (LoRA r=16 on linear_qkv, i.e. each MLA
+q/kv down and up projection, linear_proj and every fc1/fc2, routed and shared); full
+fine-tuning of 25 B parameters (fp32 master weights and Adam: 16 bytes each) does not fit one
+GPU.
 Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
 wall time), tokens/s, peak memory (torch.cuda.max_memory_allocated, reset per mode).
 
@@ -92,7 +93,6 @@ SHAPE_TINY = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers
                   num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
                   max_position_embeddings=64, rotary_base=1e6, norm_epsilon=1e-5)
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-MLA_TARGETS = ["linear_proj", "linear_fc1", "linear_fc2"]  # no linear_qkv in MLA
 # Which modes each shape times (mode, grouped experts); qlora is added by --base-quantization nf4.
 ALL_MODES = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
              ("lora", False), ("frozen", False)]
@@ -113,9 +113,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def mode_config(mode: str, shape: dict = None):
-    """The LoraConfig a mode trains (None: full fine-tuning; frozen: lora's, adapters left out)
-    on a model of `shape` (multi-latent attention: MLA_TARGETS)."""
+def mode_config(mode: str):
+    """The LoraConfig a mode trains (None: full fine-tuning; frozen: lora's, adapters left out);
+    on multi-latent attention linear_qkv adapts each q/kv down and up projection."""
     from megatron_lora.lora.model import LoraConfig
 
     mode = mode.replace("_sequential", "")
@@ -125,8 +125,7 @@ def mode_config(mode: str, shape: dict = None):
         return None
     if mode == "prefix":
         return LoraConfig(num_virtual_tokens=20, target_modules=())
-    targets = MLA_TARGETS if shape is not None and shape.get("mla") else TARGETS
-    return LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_dora=mode == "dora")
+    return LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, use_dora=mode == "dora")
 
 
 def flops_per_token(shape: dict, seq: int, mode: str) -> float:
@@ -137,8 +136,7 @@ def flops_per_token(shape: dict, seq: int, mode: str) -> float:
     from megatron_lora.models.gpt import ModelShape
     from megatron_lora.training.flops import lora_step_flops
 
-    count = lora_step_flops(ModelShape(**shape), mode_config(mode, shape), seq, seq,
-                            micro_batches=1)
+    count = lora_step_flops(ModelShape(**shape), mode_config(mode), seq, seq, micro_batches=1)
     if mode.startswith("frozen"):  # the base of `lora` without its adapters
         count = replace(count, adapters=0.0, per_forward=0.0)
     return count.per_token
@@ -186,7 +184,7 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     if mode in ("lora", "dora", "prefix", "qlora"):
-        apply_lora(model, mode_config(mode, shape), verbose=False)
+        apply_lora(model, mode_config(mode), verbose=False)
     elif mode == "frozen":
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith("decoder.final_layernorm")

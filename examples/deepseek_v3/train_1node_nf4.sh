@@ -6,6 +6,7 @@
 #   HF=/data/DeepSeek-V3 DATA=/data/train.jsonl SAVE=/ckpt/deepseek-v3-qlora bash train_1node_nf4.sh
 # The base is read straight from the HF folder: its FP8 weights are dequantised as they are read,
 # then quantised to NF4 (each rank its own shards). The multi-token-prediction layer is not built.
+# NF4 on DeepSeek's MLA projections is not yet checked against bitsandbytes (docs/families.md).
 set -euo pipefail
 : "${HF:?set HF to the Hugging Face DeepSeek-V3 folder}"
 : "${DATA:?set DATA to a JSONL file}"
@@ -18,6 +19,6 @@ torchrun --nproc-per-node 8 -m megatron_lora train \
   --train-iters 1000 --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 50 --lr-decay-style cosine \
   --clip-grad 1.0 --weight-decay 0.0 --bf16 --seed 1234 \
   --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 \
-  --lora-target-modules linear_proj linear_fc1 linear_fc2 \
+  --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 \
   --save "$SAVE" --save-interval 100 --log-interval 10 \
   --tensorboard-dir "$SAVE/tensorboard" "$@"

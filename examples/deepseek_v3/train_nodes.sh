@@ -28,6 +28,6 @@ torchrun --nnodes "${NNODES:-2}" --node-rank "$NODE_RANK" --nproc-per-node 8 \
   --train-iters 1000 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 50 --lr-decay-style cosine \
   --clip-grad 1.0 --weight-decay 0.0 --bf16 --seed 1234 \
   --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 \
-  --lora-target-modules linear_proj linear_fc1 linear_fc2 \
+  --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 \
   --save "$SAVE" --save-interval 100 --log-interval 10 \
   --tensorboard-dir "$SAVE/tensorboard" "$@"

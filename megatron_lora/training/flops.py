@@ -18,7 +18,7 @@ step (every position of every row, masked or not: all of them run through the mo
                      heads of v_head_dim, 3 s n (nope + rope + v) per layer (the zero channels
                      SDPAttention pads v with are not model work); its linears are the q/kv
                      down and up projections (or one q projection) and linear_proj (n v x h),
-                     `mla_linear_shapes`
+                     `mla_linear_shapes`; LoRA's linear_qkv adapts each of its q/kv projections
     adapters         6 x the adapter parameters a token visits (A and B: forward, activation
                      gradient, weight gradient): 6 r (in + out) per adapted linear (the experts:
                      top-k of them), 6 r h for embedding LoRA (A's row is a lookup), 6 h n for n
@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -129,17 +129,6 @@ def attention_flops_per_token(shape: ModelShape, seq_len: int) -> int:
     return 6 * seq_len * n * shape.head_dim * layers
 
 
-def _attention_in_out(shape: ModelShape, sizes, kind: str) -> Tuple[int, int]:
-    """(in, out) of an attention target kind; multi-latent attention has no linear_qkv."""
-    if shape.mla is None:
-        return _in_out(sizes, kind, shape.vocab_size)
-    linears = mla_linear_shapes(shape)
-    if kind not in linears:
-        raise ValueError(f"LoRA target {kind}: a multi-latent attention model has no such "
-                         f"linear (its attention: {', '.join(linears)})")
-    return linears[kind]
-
-
 def _layer_counts(shape: ModelShape) -> Tuple[int, int]:
     """(MoE layers, dense layers between them) of a model with experts."""
     moe = sum(shape.moe_layer_pattern) if shape.moe_layer_pattern else shape.num_layers
@@ -178,9 +167,16 @@ def _kind_rank(lora, sizes, kind: str) -> int:
     return lora.adapter_config(_global_names(kind, sizes)[0]).rank
 
 
-def _attention_kind(shape: ModelShape, kind: str) -> bool:
-    return kind in ("linear_qkv", "linear_proj") or (
-        shape.mla is not None and kind in mla_linear_shapes(shape))
+def _sites(shape: ModelShape, sizes, lora, kind: str) -> List[Tuple[int, int, int]]:
+    """(rank, in, out) of each adapter a token passes per layer (or per expert) for `kind`.
+    Multi-latent attention: linear_qkv adapts each input projection (q down and up, or q; kv
+    down and up), each with its own rank (lora.sizes), linear_proj is n v -> h."""
+    if shape.mla is not None and kind in ("linear_qkv", "linear_proj"):
+        linears = mla_linear_shapes(shape)
+        names = [n for n in linears if (n == "linear_proj") == (kind == "linear_proj")]
+        return [(lora.adapter_config(f"decoder.layers.0.self_attention.{n}").rank, *linears[n])
+                for n in names]
+    return [(_kind_rank(lora, sizes, kind), *_in_out(sizes, kind, shape.vocab_size))]
 
 
 def _visits(shape: ModelShape, kind: str) -> int:
@@ -199,14 +195,17 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
     sizes, v, h = shape_sizes(shape), shape.vocab_size, shape.hidden_size
     per_token, per_forward = 0.0, 0.0
     for kind in lora.target_modules:
-        if _attention_kind(shape, kind):
-            r = lora.adapter_config(f"decoder.layers.0.self_attention.{kind}").rank
-            n_in, n_out = _attention_in_out(shape, sizes, kind)
-        else:
-            r = _kind_rank(lora, sizes, kind)
-            n_in, n_out = _in_out(sizes, kind, v)
-        params = r * h if kind == "embedding" else r * (n_in + n_out)
-        per_token += 6 * params * _visits(shape, kind)
+        sites = _sites(shape, sizes, lora, kind)
+        mla_attention = shape.mla is not None and kind in ("linear_qkv", "linear_proj")
+        for r, n_in, n_out in sites:
+            params = r * h if kind == "embedding" else r * (n_in + n_out)
+            per_token += 6 * params * _visits(shape, kind)
+            if lora.use_dora:  # every expert's norm, visited or not
+                adapters = shape.num_layers if mla_attention else len(_global_names(kind, sizes))
+                per_forward += 2 * n_out * n_in * (r + 1) * adapters
+                if lora.lora_dropout > 0:
+                    per_token += 4 * n_in * n_out * _visits(shape, kind)
+        r = sites[0][0]
         fs = shape.shared_expert_ffn_hidden_size
         if kind in _EXPERT_KINDS and shape.num_experts and fs:  # the shared expert's adapters
             rows = 2 * fs if kind == "linear_fc1" else h
@@ -216,12 +215,6 @@ def _lora_flops(shape: ModelShape, lora) -> Tuple[float, float]:
         if kind in _EXPERT_KINDS and fd:  # the dense layers' MLP adapters
             rows, cols = (2 * fd, h) if kind == "linear_fc1" else (h, fd)
             per_token += 6 * r * (rows + cols) * _layer_counts(shape)[1]
-        if lora.use_dora:
-            adapters = (shape.num_layers if _attention_kind(shape, kind)  # every expert's norm,
-                        else len(_global_names(kind, sizes)))  # visited or not
-            per_forward += 2 * n_out * n_in * (r + 1) * adapters
-            if lora.lora_dropout > 0:
-                per_token += 4 * n_in * n_out * _visits(shape, kind)
     per_token += 6 * h * len(lora.trainable_token_indices)
     return per_token, per_forward
 

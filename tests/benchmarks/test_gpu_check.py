@@ -141,8 +141,9 @@ def test_gpu_check_nf4_mode_smoke_on_cpu():
 def test_gpu_check_deepseek_v3_shape_smoke_on_cpu():
     """--shape deepseek-v3 at tiny sizes (multi-latent attention with q_lora_rank, 16 experts
     top-4 in 4 groups of which 2 are kept, sigmoid scores with the expert bias, a shared expert,
-    YaRN) times frozen and lora. The model built is MLA's and the LoRA is on linear_proj and
-    every routed and shared fc1/fc2: their parameters counted by hand."""
+    YaRN) times frozen and lora. The model built is MLA's and the LoRA is on each q/kv projection
+    (linear_qkv), linear_proj and every routed and shared fc1/fc2: their parameters counted by
+    hand."""
     from benchmarks.gpu.check import flops_per_token
 
     out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
@@ -161,8 +162,9 @@ def test_gpu_check_deepseek_v3_shape_smoke_on_cpu():
     assert frozen["parameters"] == lora["parameters"] - lora["trainable_parameters"] == \
         layers * layer + 2 * v * h + h
     assert frozen["trainable_parameters"] == h  # the final norm
+    qkv = (h + 24) + (24 + 48) + (h + 20) + (16 + 72)  # q down, q up, kv down, kv up
     assert lora["trainable_parameters"] == layers * r * (
-        (40 + h) + (experts + 1) * ((h + 2 * f) + (f + h)))
+        qkv + (40 + h) + (experts + 1) * ((h + 2 * f) + (f + h)))
     for mode in (frozen, lora):
         assert mode["flops_per_token"] == flops_per_token(_run_shape(result), 64, "lora"
                                                           if mode is lora else "frozen")

@@ -40,8 +40,8 @@ def test_example_script_flags_parse(script):
     assert args.attention_backend == "flash"
     assert args.moe_grouped_gemm in (None, True)  # None: grouped experts with the local layers
     assert args.bf16 and (args.sequence_parallel or args.tensor_model_parallel_size == 1)
-    attention = {"linear_proj"} if script in DEEPSEEK_SCRIPTS else {"linear_qkv", "linear_proj"}
-    assert set(args.lora_target_modules) == attention | {"linear_fc1", "linear_fc2"}
+    assert set(args.lora_target_modules) == {"linear_qkv", "linear_proj", "linear_fc1",
+                                             "linear_fc2"}
 
 
 @pytest.mark.parametrize("script,config", [("train_20b_1gpu.sh", "config_20b.json"),

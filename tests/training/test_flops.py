@@ -100,8 +100,9 @@ def test_multi_latent_attention_matmuls_counted_by_hand():
     """DeepSeek-V3's attention on SHAPE's MoE layers: 2 heads, q_lora_rank 6, kv_lora_rank 4,
     nope 4, rope 2 (q/k heads of 6), v heads of 3. Its linears per layer: q down h -> 6, q up
     6 -> 2 x 6, kv down h -> 4 + 2, kv up 4 -> 2 x (4 + 3), linear_proj 2 x 3 -> h; attention
-    QK^T over 6 channels and AV over 3 per head; LoRA on linear_proj [h, 6]. Without
-    q_lora_rank one q projection h -> 12. linear_qkv names no linear of it."""
+    QK^T over 6 channels and AV over 3 per head. LoRA's linear_qkv adapts each q/kv projection
+    (here kv up at its own rank 4 by rank_pattern), linear_proj the output [h, 6]. Without
+    q_lora_rank one q projection h -> 12."""
     import dataclasses
 
     from megatron_lora.families.shape import MlaShape
@@ -109,22 +110,21 @@ def test_multi_latent_attention_matmuls_counted_by_hand():
     mla = MlaShape(q_lora_rank=6, kv_lora_rank=4, qk_head_dim=4, qk_pos_emb_head_dim=2,
                    v_head_dim=3)
     shape = dataclasses.replace(SHAPE, num_query_groups=2, mla=mla)
-    q = [(T, 6, 8), (T, 12, 6)]
-    rest = [(T, 6, 8), (T, 14, 4), (T, 8, 6)] + base_forward_matmuls()[2:]
     per_head = mm(S, S, 6) / 2 + mm(S, 3, S) / 2  # causal halves of QK^T and AV
     attention = ROWS * 2 * per_head * 3 * 2  # 2 heads; forward and backward; 2 layers
-    adapters = (lora_matmuls(T, 6, 8, R) + lora_matmuls(2 * T, 8, 24, R)
-                + lora_matmuls(2 * T, 12, 8, R))
-    targets = ["linear_proj", "linear_fc1", "linear_fc2"]
-    for variant, q_part in ((shape, q), (dataclasses.replace(
-            shape, mla=dataclasses.replace(mla, q_lora_rank=None)), [(T, 12, 8)])):
-        base = sum(mm(*x) for x in q_part + rest) * 2 + mm(T, 16, 8)
-        count = lora_step_flops(variant, LoraConfig(r=R, lora_alpha=4, target_modules=targets),
-                                S, T)
+    lora = LoraConfig(r=R, lora_alpha=4, target_modules=TARGETS,
+                      rank_pattern={"linear_kv_up_proj": 4})
+    for q_lora_rank, q in ((6, [(T, 6, 8), (T, 12, 6)]), (None, [(T, 12, 8)])):
+        variant = dataclasses.replace(shape, mla=dataclasses.replace(mla, q_lora_rank=q_lora_rank))
+        linears = q + [(T, 6, 8), (T, 14, 4), (T, 8, 6)]  # kv down, kv up, linear_proj
+        base = sum(mm(*x) for x in linears + base_forward_matmuls()[2:]) * 2 + mm(T, 16, 8)
+        adapters = [x for m, n_out, n_in in q + [(T, 6, 8), (T, 8, 6)]  # q, kv down, proj
+                    for x in lora_matmuls(m, n_in, n_out, R)]
+        adapters += lora_matmuls(T, 4, 14, 4)  # kv up at rank 4
+        adapters += lora_matmuls(2 * T, 8, 24, R) + lora_matmuls(2 * T, 12, 8, R)
+        count = lora_step_flops(variant, lora, S, T)
         assert count.total == 2 * base + attention + sum(mm(*x) for x in adapters) * 2
         assert lora_step_flops(variant, None, S, T).total == 3 * base + attention
-    with pytest.raises(ValueError, match="LoRA target linear_qkv: a multi-latent attention"):
-        lora_step_flops(shape, LoraConfig(r=R, lora_alpha=4, target_modules=TARGETS), S, T)
 
 
 def test_full_fine_tuning_counts_every_weight_gradient():

@@ -253,3 +253,22 @@ def test_mla_activations_are_what_autograd_keeps(layout=ParallelLayout()):
         measured = sum(kept.values()) / (s * b)
         estimated = 2 * module.mla_attention_kept(shape) + left_out
         assert measured == estimated, (q_lora_rank, measured, estimated)
+
+
+@pytest.mark.parametrize("name,world", [("TP8xEP16xETP1+SP", 16), ("TP8xEP8xETP1+SP", 8),
+                                        ("TP2xEP4+SP", 8)])
+def test_deepseek_v3_weights_per_gpu_agree_with_the_rank_count(name, world):
+    """At the README's layouts the estimate's weights are within 0.5% of
+    convert/checks.py's bytes per rank (which the family tests compare with what a built model
+    allocates): the estimate divides routers and layer norms over TP, which every TP rank holds
+    whole (0.22% at TP8xEP16xETP1+SP)."""
+    import torch
+
+    from megatron_lora.convert.checks import parameter_bytes_per_rank
+    from megatron_lora.families import model_info
+
+    cfg = _config("deepseek_v3/config.json")
+    layout = ParallelLayout.parse(name)
+    exact = parameter_bytes_per_rank(model_info(cfg), layout, torch.bfloat16)
+    assert _estimate()(cfg, layout, world, 4096, 1, 16)["weights"] == pytest.approx(exact,
+                                                                                    rel=5e-3)

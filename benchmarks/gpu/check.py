@@ -1,4 +1,4 @@
-"""One-shot GPU check: Mixtral-8x7B (Qwen3-30B-A3B, DeepSeek-V3) layer shapes, bf16, sequence 4096, one GPU.
+"""One-shot GPU check: Mixtral-8x7B (or Qwen3-30B-A3B, DeepSeek-V3) layers, bf16, seq 4096, one GPU.
 
     bash benchmarks/gpu/run.sh                       # on the GPU machine (installs .whl/ first)
     python benchmarks/gpu/check.py --base-quantization nf4   # + qlora (run.sh passes this)

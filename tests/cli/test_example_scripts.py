@@ -3,8 +3,8 @@ examples/gpt_oss and examples/deepseek_v3 use only flags `megatron-lora train` a
 fast path (sequence 4096, memory-efficient attention; grouped experts are the default), so the
 scripts cannot rot silently; the GPT-OSS and DeepSeek-V3 scripts' layouts fit their published
 configs at their torchrun world (biased experts at expert-TP 1; DeepSeek-V3's multi-latent
-attention split over TP8, its LoRA targets and NF4 blocks accepted). The scripts need GPUs to run; here their `megatron_lora train ...` arguments go
-through the real parser."""
+attention split over TP8, its LoRA targets and NF4 blocks accepted). The scripts need GPUs to
+run; here their `megatron_lora train ...` arguments go through the real parser."""
 
 import os
 import re

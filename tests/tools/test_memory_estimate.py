@@ -142,7 +142,8 @@ def tiny_deepseek(request):
 def test_deepseek_weights_are_transformers_tensors(tiny_deepseek):
     """Every tensor transformers' DeepseekV3ForCausalLM holds, bf16 (the expert bias fp32), at one
     GPU; at TP2+SP each is halved but the q/kv latent norms and the expert bias, which every TP
-    rank holds whole (models/mla.py; the routers and layer norms are halved, as for every family)."""
+    rank holds whole (models/mla.py; the routers and layer norms are halved, as for every
+    family)."""
     cfg, tensors = tiny_deepseek
     bias = sum(n for name, n in tensors.items() if name.endswith("e_score_correction_bias"))
     whole = sum(n for name, n in tensors.items()

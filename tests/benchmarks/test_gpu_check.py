@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from megatron_lora.runtime import ParallelLayout
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -186,6 +188,15 @@ def test_deepseek_v3_shape_is_its_config():
         elif key not in ("num_layers", "max_position_embeddings"):
             assert getattr(shape, key) == value, key
     assert shape.moe_layer_pattern[-2:] == (1, 1)  # the check's 2 layers are MoE layers
+    import torch
+
+    from megatron_lora.models.gpt import ModelShape, transformer_config
+
+    config = transformer_config(ModelShape(**SHAPE_DEEPSEEK_V3), ParallelLayout(),
+                                dtype=torch.bfloat16, use_cpu_initialization=False)
+    assert (type(config).__name__, config.q_lora_rank, config.num_moe_experts,
+            config.moe_router_topk, config.moe_router_group_topk, config.rope_type) == \
+        ("MLATransformerConfig", 1536, 256, 8, 4, "yarn")
     with pytest.raises(SystemExit, match="--base-quantization nf4 with --shape deepseek-v3"):
         from benchmarks.gpu.check import main
 

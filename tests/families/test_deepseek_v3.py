@@ -277,3 +277,14 @@ def test_the_export_note_says_q_a_and_kv_a_share_a_rank(trained, tmp_path):
     assert _packed_note(DEEPSEEK_V3.names, values) == [
         "q_a_proj has rank 4, kv_a_proj_with_mqa rank 2: vLLM packs the two into one module "
         "and cannot serve different ranks (transformers + PEFT can)"]
+
+
+def test_a_tp_size_mla_cannot_split_is_refused_before_any_work():
+    info = model_info(dict(CONFIG, q_lora_rank=22, kv_lora_rank=14))
+    problems = info.layout_problems(ParallelLayout(tp=4, sp=True), 4, flags=True)
+    assert "--tensor-model-parallel-size 4 does not divide q_lora_rank = 22 (multi-latent " \
+           "attention)" in problems, problems
+    assert "--tensor-model-parallel-size 4 does not divide kv_lora_rank + qk_rope_head_dim = 18 " \
+           "(multi-latent attention)" in problems, problems
+    assert len(problems) == 2, problems
+    assert not model_info(CONFIG).layout_problems(ParallelLayout(tp=2, sp=True), 2)

@@ -22,7 +22,7 @@ input width divisible by 64. `nf4_layout_problems` says which flag and width do 
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,11 +120,11 @@ def _check(name: str, linear) -> None:
                          f"multiple of {BLOCK}; this model cannot be held in NF4")
 
 
-def _global_weight(linear, group, size: int) -> torch.Tensor:
-    """The whole [out, in] weight of a linear sharded over `group` (megatron's layout)."""
+def _global_weight(linear, w: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The whole [out, in] weight of a linear sharded over `group` (megatron's layout), from
+    this rank's shard w."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    w = linear.weight.detach()
     if size == 1:
         return w
     parts = [torch.empty_like(w) for _ in range(size)]
@@ -170,23 +170,39 @@ def _local_shard(linear, packed, size: int, rank: int):
     return packed.columns(rank * k, k)
 
 
-@torch.no_grad()
-def quantize_base(model: torch.nn.Module) -> int:
-    """Hold every decoder Column/RowParallelLinear of `model` (this rank's stage) in NF4, in
-    place; returns how many were converted. Collective over each linear's own group (TP or
-    expert-TP): call on every rank, after loading the base weights and before apply_lora.
-    Every linear is checked (NF4LayoutError) before the first collective."""
+def check_targets(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """The decoder linears quantize_base converts, each checked (NF4LayoutError naming it);
+    local, no collective. Works on deferred (meta) weights too (models/nf4_deferred.py)."""
     targets = _targets(model)
     for name, linear in targets:
         if getattr(linear, "weight", None) is None:
             raise NF4LayoutError(f"--base-quantization nf4: {name} has no weight of its own")
         _check(name, linear)
+    return targets
+
+
+@torch.no_grad()
+def quantize_linear_(name: str, linear, weight: Optional[torch.Tensor] = None) -> None:
+    """Hold one checked decoder linear in NF4, in place. weight: this rank's full-precision
+    shard [out_local, in_local] (default: the linear's own weight; give it for a deferred one),
+    on the device its NF4 buffers go to. Collective over the linear's group (TP or expert-TP):
+    the group's ranks call it for the same linear. Transient: the global weight and its codes."""
+    group, size, rank = _group(linear)
+    local = linear.weight.detach() if weight is None else weight.detach()
+    w = _global_weight(linear, local, group, size)
+    packed = quantize_parts(w, _segments(name, linear, w.shape[0]))
+    del w
+    to_nf4_(linear, _local_shard(linear, packed, size, rank), device=local.device)
+
+
+def quantize_base(model: torch.nn.Module) -> int:
+    """Hold every decoder Column/RowParallelLinear of `model` (this rank's stage) in NF4, in
+    place; returns how many were converted. Collective over each linear's own group (TP or
+    expert-TP): call on every rank, after loading the base weights and before apply_lora.
+    Every linear is checked (NF4LayoutError) before the first collective."""
+    targets = check_targets(model)
     for name, linear in targets:
-        group, size, rank = _group(linear)
-        w = _global_weight(linear, group, size)
-        packed = quantize_parts(w, _segments(name, linear, w.shape[0]))
-        del w
-        to_nf4_(linear, _local_shard(linear, packed, size, rank))
+        quantize_linear_(name, linear)
     return len(targets)
 
 
@@ -200,4 +216,5 @@ def nf4_held(model: torch.nn.Module) -> Tuple[int, int]:
     return held, params
 
 
-__all__ = ["CHOICES", "NF4LayoutError", "nf4_held", "nf4_layout_problems", "quantize_base"]
+__all__ = ["CHOICES", "NF4LayoutError", "check_targets", "nf4_held", "nf4_layout_problems",
+           "quantize_base", "quantize_linear_"]

@@ -47,6 +47,7 @@ from megatron_lora.convert.load import (
 from megatron_lora.families import ModelInfo
 from megatron_lora.models.nf4_deferred import deferred_linears
 from megatron_lora.models.nf4_model import check_targets, quantize_linear_
+from megatron_lora.runtime.heap import release_free_heap
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -114,6 +115,7 @@ def load_nf4(model: torch.nn.Module, info: ModelInfo, *, hf: Optional[HFCheckpoi
         weight = read({key: sharded[key]})[key]
         quantize_linear_(name, linear, weight.to(device))
         del weight
+        release_free_heap()  # else the heap keeps each linear's transients resident
     return len(keys)
 
 

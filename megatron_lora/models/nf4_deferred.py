@@ -12,7 +12,9 @@ requires_grad, no storage. megatron registers the weight and then initialises it
 without deferral, so the global RNG advances as it would) and sets its parallel attributes
 (tensor_model_parallel, partition_dim, partition_stride, allreduce) on the Parameter it holds:
 the meta one, which keeps the attributes and none of the values. The `torch.empty` megatron
-allocated first is released at once, its pages never written.
+allocated first is released at once, its pages never written. Before each linear the heap's
+free pages are returned to the OS (runtime/heap.py): without that, the initialisation
+transients left resident grew the build's peak by about the full-precision model.
 
 Only the decoder's linears are deferred: the hook stops when the model registers its
 `decoder` (GPTModel builds its embedding, then the decoder, then the output layer, which keeps
@@ -37,6 +39,8 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from megatron_lora.runtime.heap import release_free_heap
+
 
 @contextlib.contextmanager
 def deferred_decoder_linears():
@@ -50,6 +54,7 @@ def deferred_decoder_linears():
     def on_parameter(module, name, param):
         if not state["on"] or name != "weight" or param is None or type(module) not in linear_types:
             return None
+        release_free_heap()  # the previous linear's initialisation transients
         return torch.nn.Parameter(torch.empty_like(param, device="meta"),
                                   requires_grad=param.requires_grad)
 

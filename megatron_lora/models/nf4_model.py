@@ -2,6 +2,7 @@
 
     problems = nf4_layout_problems(info.shape, layout)   # before any collective (CLI checks)
     quantize_base(model)                                 # after the base weights are loaded
+    quantize_linear_(name, linear, weight)               # one linear, from its read shard
 
 Quantised: every megatron Column/RowParallelLinear inside the decoder (attention projections,
 each routed expert's fc1 / fc2, shared experts, dense MLPs). The router, embeddings, output layer
@@ -12,8 +13,18 @@ Layout invariance: each weight is quantised as its GLOBAL matrix (each expert's 
 linear sharded over its group (the TP group, the expert-TP group for experts; EP only places
 whole experts) all-gathers its shards, bitsandbytes quantises the whole matrix on CPU, and the
 rank keeps the blocks of its own shard (models/nf4.py). So the values are the same at every
-TP/EP/ETP/PP layout. One layer at a time: the transient extra is one global weight and its
+TP/EP/ETP/PP layout. One linear at a time: the transient extra is one global weight and its
 codes, and each full-precision weight is released as soon as its NF4 form is in place.
+
+Memory while loading. `quantize_base` converts a model already loaded in full precision, so the
+rank first holds its whole full-precision model. To bound the peak, build the model inside
+models.nf4_deferred.deferred_decoder_linears (the decoder linears get meta weights: no storage)
+and load it with convert/load_nf4.load_nf4, which reads one linear's shard at a time and hands
+it to `quantize_linear_`: the rank's peak during build and load is its packed linears, its
+other tensors (embeddings, output layer, norms, routers), and one linear's transient (its
+shard, its gathered global weight, the packed global weight, a reader's cached chunk), never
+its full-precision model. train, logits and generate load that way (cli/model_setup.build_base);
+the values are bit for bit those of loading in full precision and then `quantize_base`.
 
 A shard must hold whole blocks of 64 input columns: row-parallel linears (attention output
 projection, fc2) need (input width / their TP or expert-TP size) % 64 == 0, every linear an

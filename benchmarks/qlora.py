@@ -1,6 +1,7 @@
 """Benchmark of an NF4 frozen base (--base-quantization nf4): what the ranks hold and what it costs.
 
-    .venv/bin/python benchmarks/qlora.py          # about 1-2 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/qlora.py          # about 3-4 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/qlora.py --load-only   # part 3 alone, about 2 minutes
 
 A 2-layer MoE GPT (h=512, 8 experts of ffn 512, top-2, GQA) at EP2 on 2 gloo ranks, bf16:
 1. frozen_bytes_per_param: the bytes the ranks actually hold for the frozen decoder linears

@@ -5,7 +5,10 @@ trip (each HF tensor, each expert's matrix on its own), at one rank, PP2xEP2 and
 magnitude is the row norm of the dequantised weight (merging onto NF4 and quantising under
 adapters are refused); autograd keeps no dequantised weight from
 forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept),
-and full recomputation of the NF4 layers gives the same gradients.
+and full recomputation of the NF4 layers gives the same gradients. Streamed loading
+(convert/load_nf4.py: linears built without weights, each read, quantised and dropped) from HF
+and from torch_dist at TP2xEP2+SP and PP2xEP2 gives every tensor of load-then-quantize_base bit
+for bit, never holding more than one linear's shard and a stored chunk besides its NF4 model.
 
 The model is the tiny Mixtral of tests/convert widened to 128 (hidden, attention and expert
 widths), so that a TP2 / ETP2 shard of a row-parallel linear holds 64 columns: whole blocks."""

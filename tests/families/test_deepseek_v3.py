@@ -54,7 +54,6 @@ MTP = {"model.layers.4.eh_proj.weight": (64, 128), "model.layers.4.enorm.weight"
 
 
 def make(directory: str, seed: int = 0, **overrides) -> None:
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
     torch.manual_seed(seed)
@@ -69,12 +68,7 @@ def make(directory: str, seed: int = 0, **overrides) -> None:
                 b.normal_(0, 0.3)
     model.save_pretrained(directory, max_shard_size="200KB")
     if cfg.get("num_nextn_predict_layers"):  # the published checkpoints' MTP layer, not built
-        save_file({k: torch.randn(s) for k, s in MTP.items()},
-                  os.path.join(directory, "mtp.safetensors"))
-        index_path = os.path.join(directory, "model.safetensors.index.json")
-        index = json.load(open(index_path))
-        index["weight_map"].update({k: "mtp.safetensors" for k in MTP})
-        json.dump(index, open(index_path, "w"))
+        F.add_extra_shard(directory, MTP)
 
 
 @pytest.fixture(scope="module")

@@ -43,8 +43,10 @@ def _hf_order(name: str):
     return (0 if "embed_tokens" in name else 2, 0, name)
 
 
-def make(out: str, layers: int, shard_bytes: int, seed: int = 0, overwrite: bool = False) -> dict:
-    cfg = dict(MIXTRAL_8X7B, num_hidden_layers=layers)
+def make(out: str, layers: int, shard_bytes: int, seed: int = 0, overwrite: bool = False,
+         **config) -> dict:
+    """config: config.json fields to change (other shapes than 8x7B's, for benchmarks)."""
+    cfg = dict(MIXTRAL_8X7B, num_hidden_layers=layers, **config)
     info = model_info(cfg)
     dtype = torch.bfloat16
     shapes = sorted(hf_shapes(info).items(), key=lambda kv: _hf_order(kv[0]))

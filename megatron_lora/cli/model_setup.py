@@ -40,31 +40,54 @@ def build_model(info, layout, dtype, *, hf=None, load: Optional[str] = None,
 
     attention_backend / moe_grouped_gemm: as the CLI flags; a named local core attention or
     grouped experts mean the local layers, otherwise the usual choice of build_model.
-    base_quantization: "nf4" holds the decoder linears in NF4 (cli/quantization.py), after the
-    base weights are loaded and before the adapter is applied."""
-    from megatron_lora import runtime
-    from megatron_lora.convert.load import load_hf, load_mcore
-    from megatron_lora.models.build import build_model, model_config
+    base_quantization: "nf4" holds the decoder linears in NF4 (cli/quantization.py), each as it
+    is loaded (build_base), before the adapter is applied."""
+    from megatron_lora.models.build import model_config
 
     local = (attention_backend not in (None, "auto") or bool(moe_grouped_gemm)
              or base_quantization == "nf4")
-    model = build_model(
-        info, model_config(info, layout, dtype=dtype, dispatcher=dispatcher),
-        use_te=False if local else None, attention_backend=attention_backend,
-        moe_grouped_gemm=moe_grouped_gemm)
-    model.to(runtime.device())
-    if hf is not None:
-        load_hf(model, info, hf)
-    else:
-        load_mcore(model, load)
-    if base_quantization == "nf4":
-        from megatron_lora.models.nf4_model import quantize_base
-
-        quantize_base(model)
+    model = build_base(info, model_config(info, layout, dtype=dtype, dispatcher=dispatcher),
+                       hf=hf, load=load, base_quantization=base_quantization,
+                       use_te=False if local else None, attention_backend=attention_backend,
+                       moe_grouped_gemm=moe_grouped_gemm)
     if lora is not None:
         from megatron_lora.lora.model import apply_lora
         from megatron_lora.training.checkpoint import load_adapter_weights
 
         apply_lora(model, lora, verbose=False)
         load_adapter_weights([model], adapter)
+    return model
+
+
+def build_base(info, config, *, hf=None, load: Optional[str] = None,
+               base_quantization: str = "none", **build):
+    """This pipeline stage's GPTModel (models.build.build_model(info, config, **build)) on this
+    rank's device with its base weights from `hf` (an HFCheckpoint) or the torch_dist checkpoint
+    `load`. Collective (a torch_dist load; NF4's gathers).
+
+    base_quantization "nf4": the decoder linears are built without their weights
+    (models/nf4_deferred.py) and each is held in NF4 as it is read (convert/load_nf4.py), so the
+    rank's peak is its packed model plus its other tensors plus about one linear's full-precision
+    weight, never its whole full-precision model. The values are those of loading in full
+    precision and then quantize_base."""
+    from megatron_lora import runtime
+    from megatron_lora.models.build import build_model
+
+    if base_quantization != "nf4":
+        from megatron_lora.convert.load import load_hf, load_mcore
+
+        model = build_model(info, config, **build)
+        model.to(runtime.device())
+        if hf is not None:
+            load_hf(model, info, hf)
+        else:
+            load_mcore(model, load)
+        return model
+    from megatron_lora.convert.load_nf4 import load_nf4
+    from megatron_lora.models.nf4_deferred import deferred_decoder_linears, to_device_
+
+    with deferred_decoder_linears():
+        model = build_model(info, config, **build)
+    to_device_(model, runtime.device())
+    load_nf4(model, info, hf=hf, directory=None if hf is not None else load)
     return model

@@ -1,9 +1,10 @@
 """`--base-quantization` for train, logits and generate: the flag, its checks, and its effect.
 
     --base-quantization nf4   every frozen decoder linear held in NF4 (QLoRA's format), each
-                              weight quantised as its global matrix after loading
-                              (models/nf4_model.py); router, embeddings, output layer and norms
-                              keep the base dtype. Adapters and their checkpoints are unchanged.
+                              weight quantised as its global matrix as it is loaded
+                              (cli/model_setup.build_base, convert/load_nf4.py); router,
+                              embeddings, output layer and norms keep the base dtype. Adapters
+                              and their checkpoints are unchanged.
 
 The checks are local (no collective): the model's widths against the layout (a shard must hold
 whole blocks of 64 input columns; the message names the flag and the width), bitsandbytes
@@ -88,11 +89,3 @@ def saved_quantization_problems(args, resume_iteration: Optional[int], initial) 
     return [f"--base-quantization {asked} differs from the base {whose} was trained on "
             f"(--base-quantization {saved}): its adapter was fitted to that base; give "
             f"--base-quantization {saved}"]
-
-
-def quantize_if_requested(args, model) -> None:
-    """After the base weights are loaded, before LoRA (collective within each linear's group)."""
-    if nf4_requested(args):
-        from megatron_lora.models.nf4_model import quantize_base
-
-        quantize_base(model)

@@ -287,9 +287,9 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
     import torch.distributed as dist
 
     from megatron_lora import runtime
-    from megatron_lora.convert.load import load_hf, load_mcore
+    from megatron_lora.cli.model_setup import build_base
     from megatron_lora.lora.model import apply_lora
-    from megatron_lora.models.build import build_model, model_config
+    from megatron_lora.models.build import model_config
     from megatron_lora.models.recompute import recompute_overrides
     from megatron_lora.training.loop import ResumeMismatchError, train
 
@@ -301,19 +301,14 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
     _say(rank0, f"loading the base model ({base}, {layout.describe()} on {dist.get_world_size()} "
                 f"ranks, {str(dtype).replace('torch.', '')}) ...")
     loading = time.monotonic()
-    model = build_model(info, model_config(info, layout, dtype=dtype,
-                                                     dispatcher=args.moe_token_dispatcher_type,
-                                                     **recompute_overrides(
-                                                         *_recompute_settings(args))),
-                                use_te=args.transformer_impl == "transformer_engine",
-                                attention_backend=getattr(args, "attention_backend", None),
-                                moe_grouped_gemm=getattr(args, "moe_grouped_gemm", None))
-    model.to(runtime.device())
-    if hf is not None:
-        load_hf(model, info, hf)
-    else:
-        load_mcore(model, args.load)
-    quantization.quantize_if_requested(args, model)  # --base-quantization: before LoRA wraps it
+    model = build_base(info, model_config(info, layout, dtype=dtype,
+                                          dispatcher=args.moe_token_dispatcher_type,
+                                          **recompute_overrides(*_recompute_settings(args))),
+                       hf=hf, load=args.load,
+                       base_quantization=getattr(args, "base_quantization", "none"),
+                       use_te=args.transformer_impl == "transformer_engine",
+                       attention_backend=getattr(args, "attention_backend", None),
+                       moe_grouped_gemm=getattr(args, "moe_grouped_gemm", None))
     _say(rank0, f"loaded the base model in {time.monotonic() - loading:.1f} s")
     held = (f"+{stats['held_out']} validation sequences from --valid-data-path "
             f"{args.valid_data_path}" if getattr(args, "valid_data_path", None) else

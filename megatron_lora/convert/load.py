@@ -8,6 +8,10 @@ data through `runtime.safe_load.dist_load`.
 rank walks its model's sharded state dict (the same one `dist_checkpointing` uses, so the same
 boxes of the same global tensors), and fills each local shard from the mapping table's chunks,
 reading with safetensors slices only the rows/columns of the HF tensors that shard covers.
+
+Both take `skip`, state-dict keys they leave out; `read_hf` reads any entries of the sharded state
+dict without filling the model: convert/load_nf4.py loads the rest of a model with deferred
+decoder linears that way, then reads and quantises its linears one by one.
 """
 
 from __future__ import annotations
@@ -30,34 +34,50 @@ from megatron_lora.families import ModelInfo
 from megatron_lora.runtime.safe_load import CheckpointFileError, dist_load
 
 
-def _sharded_state_dict(model: torch.nn.Module):
+def model_sharded_state_dict(model: torch.nn.Module):
+    """This rank's sharded state dict of `model`: the boxes of the global tensors it holds."""
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     return model.sharded_state_dict(metadata=metadata)
 
 
-def _apply(model: torch.nn.Module, state: dict, source: str) -> None:
+def _apply(model: torch.nn.Module, state: dict, source: str, left_out=frozenset()) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and k not in left_out]
     if missing or unexpected:
         raise ConversionError(
             f"{source} does not match the model: missing={missing}, unexpected={unexpected}")
 
 
-def load_mcore(model: torch.nn.Module, directory: str) -> None:
+def load_mcore(model: torch.nn.Module, directory: str, *, skip=frozenset()) -> None:
     """Load a torch_dist checkpoint saved at any layout (collective: call on every rank).
+    skip: state-dict keys left out (neither read nor filled; convert/load_nf4.py reads them).
 
     A file that is not plain data raises ConversionError on every rank before any collective."""
+    sharded = {k: v for k, v in model_sharded_state_dict(model).items() if k not in skip}
     try:
-        state = dist_load(_sharded_state_dict(model), directory)
+        state = dist_load(sharded, directory)
     except CheckpointFileError as exc:
         raise ConversionError(str(exc)) from None
-    _apply(model, state, directory)
+    _apply(model, state, directory, skip)
 
 
-def load_hf(model: torch.nn.Module, info: ModelInfo, hf: HFCheckpoint) -> None:
-    """Fill this rank's shards from HF safetensors (local: no collective)."""
-    table = {t.key: t for t in mcore_tensors(info, _model_dtype(model))}
-    sharded, _, factories = load_preprocess(_sharded_state_dict(model))
+def load_hf(model: torch.nn.Module, info: ModelInfo, hf: HFCheckpoint, *,
+            skip=frozenset()) -> None:
+    """Fill this rank's shards from HF safetensors (local: no collective). skip: as load_mcore's."""
+    sharded = {k: v for k, v in model_sharded_state_dict(model).items() if k not in skip}
+    _apply(model, read_hf(sharded, hf_sources(model, info), hf), hf.directory, skip)
+
+
+def hf_sources(model: torch.nn.Module, info: ModelInfo) -> dict:
+    """{checkpoint key: the mapping table's entry} for `model` (its dtype) of family `info`."""
+    return {t.key: t for t in mcore_tensors(info, _model_dtype(model))}
+
+
+def read_hf(sharded_state_dict: dict, table: dict, hf: HFCheckpoint) -> dict:
+    """The state dict (local tensors, each in its model tensor's dtype) of these entries of a
+    model's sharded state dict, read from HF safetensors (`table`: hf_sources): only the
+    rows/columns each shard covers. Local: no collective."""
+    sharded, _, factories = load_preprocess(sharded_state_dict)
 
     def fill(x):
         if isinstance(x, ShardedObject):
@@ -79,8 +99,7 @@ def load_hf(model: torch.nn.Module, info: ModelInfo, hf: HFCheckpoint) -> None:
         return data.reshape(x.local_shape).to(x.data.dtype)
 
     dict_list_map_inplace(fill, sharded)
-    state = apply_factory_merges(sharded, factories)
-    _apply(model, state, hf.directory)
+    return apply_factory_merges(sharded, factories)
 
 
 def _fetcher(chunk, hf: HFCheckpoint):

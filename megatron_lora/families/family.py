@@ -203,6 +203,13 @@ class ModelInfo:
         """Every reason `layout` cannot run this model on `world_size` ranks (pure, no comms);
         flags: name the settings by their CLI flags (ParallelLayout.problems)."""
         problems = layout.problems(world_size, flags=flags, **self.shape.layout_sizes())
+        m = self.shape.mla
+        if m is not None:  # MLA's down projections split their rows over TP (models/mla.py)
+            tp = f"--tensor-model-parallel-size {layout.tp}" if flags else f"tp={layout.tp}"
+            sizes = (("q_lora_rank", m.q_lora_rank or 0),
+                     ("kv_lora_rank + qk_rope_head_dim", m.kv_lora_rank + m.qk_pos_emb_head_dim))
+            problems += [f"{tp} does not divide {name} = {size} (multi-latent attention)"
+                         for name, size in sizes if size % layout.tp]
         if self.shape.vocab_size % layout.tp:
             tp = (f"--tensor-model-parallel-size {layout.tp}" if flags else f"tp={layout.tp}")
             problems.append(

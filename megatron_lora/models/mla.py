@@ -51,13 +51,14 @@ I(rope) = the r rope rows interleaved when rope_interleave is False, unchanged w
 | kv_b_proj.weight | linear_kv_up_proj.weight | [n * (nope + v), kv_lora_rank], per head [nope; v] | heads |
 | o_proj.weight | linear_proj.weight | [h, n * v] | dim 1 (heads) |
 
-Refused (one line, naming the field): TP sizes that do not divide q_lora_rank, kv_lora_rank +
-qk_rope_head_dim or the heads, attention_bias=True (megatron's MLA projections have no
-bias), rope types other than default and yarn, YaRN with an explicit attention_factor, truncate
-False or mscale_all_dim without mscale (megatron cannot express those), apply_rope_fusion,
-cache_mla_latents, and `packed_seq_params` (packed samples come as the
+Refused here (one line): TP sizes that do not divide q_lora_rank, kv_lora_rank +
+qk_rope_head_dim or the heads (ModelInfo.layout_problems says so earlier, naming the flag),
+apply_rope_fusion, cache_mla_latents, and `packed_seq_params` (packed samples come as the
 block-diagonal attention_mask of megatron_lora.data.packing: rope is relative, so positions
-running on across samples give each sample's own scores).
+running on across samples give each sample's own scores). The family reader
+(families/deepseek_v3.py) refuses, naming the config.json field, what the config could ask and
+megatron's MLA cannot do: attention_bias, rope types other than default and yarn, YaRN with an
+explicit attention_factor, truncate false, mscale_all_dim without mscale.
 """
 
 from __future__ import annotations

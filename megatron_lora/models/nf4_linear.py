@@ -157,8 +157,10 @@ def is_nf4(module) -> bool:
     return isinstance(module, (NF4ColumnParallelLinear, NF4RowParallelLinear))
 
 
-def to_nf4_(linear: torch.nn.Module, shard: NF4Shard) -> None:
-    """Replace linear's weight Parameter by `shard` (its local part, any device), in place."""
+def to_nf4_(linear: torch.nn.Module, shard: NF4Shard, device=None) -> None:
+    """Replace linear's weight Parameter by `shard` (its local part, any device), in place.
+    device: where the buffers go (default: the old weight's; give it for a meta weight,
+    models/nf4_deferred.py)."""
     if is_nf4(linear):
         raise ValueError("the linear is already held in NF4")
     if isinstance(linear, ColumnParallelLinear):
@@ -175,7 +177,7 @@ def to_nf4_(linear: torch.nn.Module, shard: NF4Shard) -> None:
     if tuple(shard.shape) != tuple(old.shape):
         raise ValueError(f"NF4 shard {list(shard.shape)} does not fit the weight "
                          f"{list(old.shape)}")
-    shard = shard.to(old.device)
+    shard = shard.to(old.device if device is None else device)
     attributes = {n: getattr(old, n) for n in _KEPT_ATTRIBUTES if hasattr(old, n)}
     del linear._parameters["weight"]
     linear.__class__ = cls

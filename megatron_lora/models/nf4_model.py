@@ -2,6 +2,7 @@
 
     problems = nf4_layout_problems(info.shape, layout)   # before any collective (CLI checks)
     quantize_base(model)                                 # after the base weights are loaded
+    quantize_linear_(name, linear, weight)               # one linear, from its read shard
 
 Quantised: every megatron Column/RowParallelLinear inside the decoder (attention projections,
 each routed expert's fc1 / fc2, shared experts, dense MLPs). The router, embeddings, output layer
@@ -12,8 +13,18 @@ Layout invariance: each weight is quantised as its GLOBAL matrix (each expert's 
 linear sharded over its group (the TP group, the expert-TP group for experts; EP only places
 whole experts) all-gathers its shards, bitsandbytes quantises the whole matrix on CPU, and the
 rank keeps the blocks of its own shard (models/nf4.py). So the values are the same at every
-TP/EP/ETP/PP layout. One layer at a time: the transient extra is one global weight and its
+TP/EP/ETP/PP layout. One linear at a time: the transient extra is one global weight and its
 codes, and each full-precision weight is released as soon as its NF4 form is in place.
+
+Memory while loading. `quantize_base` converts a model already loaded in full precision, so the
+rank first holds its whole full-precision model. To bound the peak, build the model inside
+models.nf4_deferred.deferred_decoder_linears (the decoder linears get meta weights: no storage)
+and load it with convert/load_nf4.load_nf4, which reads one linear's shard at a time and hands
+it to `quantize_linear_`: the rank's peak during build and load is its packed linears, its
+other tensors (embeddings, output layer, norms, routers), and one linear's transient (its
+shard, its gathered global weight, the packed global weight, a reader's cached chunk), never
+its full-precision model. train, logits and generate load that way (cli/model_setup.build_base);
+the values are bit for bit those of loading in full precision and then `quantize_base`.
 
 A shard must hold whole blocks of 64 input columns: row-parallel linears (attention output
 projection, fc2) need (input width / their TP or expert-TP size) % 64 == 0, every linear an
@@ -22,7 +33,7 @@ input width divisible by 64. `nf4_layout_problems` says which flag and width do 
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,11 +131,11 @@ def _check(name: str, linear) -> None:
                          f"multiple of {BLOCK}; this model cannot be held in NF4")
 
 
-def _global_weight(linear, group, size: int) -> torch.Tensor:
-    """The whole [out, in] weight of a linear sharded over `group` (megatron's layout)."""
+def _global_weight(linear, w: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The whole [out, in] weight of a linear sharded over `group` (megatron's layout), from
+    this rank's shard w."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    w = linear.weight.detach()
     if size == 1:
         return w
     parts = [torch.empty_like(w) for _ in range(size)]
@@ -170,23 +181,39 @@ def _local_shard(linear, packed, size: int, rank: int):
     return packed.columns(rank * k, k)
 
 
-@torch.no_grad()
-def quantize_base(model: torch.nn.Module) -> int:
-    """Hold every decoder Column/RowParallelLinear of `model` (this rank's stage) in NF4, in
-    place; returns how many were converted. Collective over each linear's own group (TP or
-    expert-TP): call on every rank, after loading the base weights and before apply_lora.
-    Every linear is checked (NF4LayoutError) before the first collective."""
+def check_targets(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """The decoder linears quantize_base converts, each checked (NF4LayoutError naming it);
+    local, no collective. Works on deferred (meta) weights too (models/nf4_deferred.py)."""
     targets = _targets(model)
     for name, linear in targets:
         if getattr(linear, "weight", None) is None:
             raise NF4LayoutError(f"--base-quantization nf4: {name} has no weight of its own")
         _check(name, linear)
+    return targets
+
+
+@torch.no_grad()
+def quantize_linear_(name: str, linear, weight: Optional[torch.Tensor] = None) -> None:
+    """Hold one checked decoder linear in NF4, in place. weight: this rank's full-precision
+    shard [out_local, in_local] (default: the linear's own weight; give it for a deferred one),
+    on the device its NF4 buffers go to. Collective over the linear's group (TP or expert-TP):
+    the group's ranks call it for the same linear. Transient: the global weight and its codes."""
+    group, size, rank = _group(linear)
+    local = linear.weight.detach() if weight is None else weight.detach()
+    w = _global_weight(linear, local, group, size)
+    packed = quantize_parts(w, _segments(name, linear, w.shape[0]))
+    del w
+    to_nf4_(linear, _local_shard(linear, packed, size, rank), device=local.device)
+
+
+def quantize_base(model: torch.nn.Module) -> int:
+    """Hold every decoder Column/RowParallelLinear of `model` (this rank's stage) in NF4, in
+    place; returns how many were converted. Collective over each linear's own group (TP or
+    expert-TP): call on every rank, after loading the base weights and before apply_lora.
+    Every linear is checked (NF4LayoutError) before the first collective."""
+    targets = check_targets(model)
     for name, linear in targets:
-        group, size, rank = _group(linear)
-        w = _global_weight(linear, group, size)
-        packed = quantize_parts(w, _segments(name, linear, w.shape[0]))
-        del w
-        to_nf4_(linear, _local_shard(linear, packed, size, rank))
+        quantize_linear_(name, linear)
     return len(targets)
 
 
@@ -200,4 +227,5 @@ def nf4_held(model: torch.nn.Module) -> Tuple[int, int]:
     return held, params
 
 
-__all__ = ["CHOICES", "NF4LayoutError", "nf4_held", "nf4_layout_problems", "quantize_base"]
+__all__ = ["CHOICES", "NF4LayoutError", "check_targets", "nf4_held", "nf4_layout_problems",
+           "quantize_base", "quantize_linear_"]

@@ -56,6 +56,19 @@ def perturb_norms(model) -> None:
                 p.uniform_(0.5, 1.5)
 
 
+def add_extra_shard(directory: str, shapes: dict, name: str = "mtp.safetensors") -> None:
+    """Write random tensors of `shapes` ({HF name: shape}) as one more shard of the HF folder,
+    listed in its index: the layers a checkpoint holds after the decoder that transformers does
+    not build (GLM-4.5's and DeepSeek-V3's multi-token-prediction layers)."""
+    save_file({k: torch.randn(s) for k, s in shapes.items()}, os.path.join(directory, name))
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"].update({k: name for k in shapes})
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+
+
 def run(*args, nproc: int, port=None) -> subprocess.CompletedProcess:
     """`megatron-lora ARGS` under torchrun (also for one rank; a free port unless `port`);
     must succeed."""

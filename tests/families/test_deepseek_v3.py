@@ -54,7 +54,6 @@ MTP = {"model.layers.4.eh_proj.weight": (64, 128), "model.layers.4.enorm.weight"
 
 
 def make(directory: str, seed: int = 0, **overrides) -> None:
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
     torch.manual_seed(seed)
@@ -69,12 +68,7 @@ def make(directory: str, seed: int = 0, **overrides) -> None:
                 b.normal_(0, 0.3)
     model.save_pretrained(directory, max_shard_size="200KB")
     if cfg.get("num_nextn_predict_layers"):  # the published checkpoints' MTP layer, not built
-        save_file({k: torch.randn(s) for k, s in MTP.items()},
-                  os.path.join(directory, "mtp.safetensors"))
-        index_path = os.path.join(directory, "model.safetensors.index.json")
-        index = json.load(open(index_path))
-        index["weight_map"].update({k: "mtp.safetensors" for k in MTP})
-        json.dump(index, open(index_path, "w"))
+        F.add_extra_shard(directory, MTP)
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +271,87 @@ def test_the_export_note_says_q_a_and_kv_a_share_a_rank(trained, tmp_path):
     assert _packed_note(DEEPSEEK_V3.names, values) == [
         "q_a_proj has rank 4, kv_a_proj_with_mqa rank 2: vLLM packs the two into one module "
         "and cannot serve different ranks (transformers + PEFT can)"]
+
+
+def test_a_tp_size_mla_cannot_split_is_refused_before_any_work():
+    info = model_info(dict(CONFIG, q_lora_rank=22, kv_lora_rank=14))
+    problems = info.layout_problems(ParallelLayout(tp=4, sp=True), 4, flags=True)
+    assert "--tensor-model-parallel-size 4 does not divide q_lora_rank = 22 (multi-latent " \
+           "attention)" in problems, problems
+    assert "--tensor-model-parallel-size 4 does not divide kv_lora_rank + qk_rope_head_dim = 18 " \
+           "(multi-latent attention)" in problems, problems
+    assert len(problems) == 2, problems
+    assert not model_info(CONFIG).layout_problems(ParallelLayout(tp=2, sp=True), 2)
+
+
+# ---- an NF4 base (--base-quantization nf4): MLA's projections quantised like every linear ----
+
+# widths whose shards hold whole blocks of 64 at TP2: n * v_head_dim 128 (o_proj), shared and
+# dense MLP 128 (their fc2), latent ranks 64
+NF4_SIZES = dict(qk_nope_head_dim=12, v_head_dim=32, q_lora_rank=64, kv_lora_rank=64,
+                 moe_intermediate_size=128, intermediate_size=128, num_hidden_layers=2,
+                 num_nextn_predict_layers=0)
+
+
+@pytest.fixture(scope="module")
+def nf4_ds(tmp_path_factory):
+    """The V3 model at NF4_SIZES, and a copy whose decoder linears (every `*_proj.weight` of a
+    layer: MLA's, the experts', the shared expert's and the dense MLP's) are bitsandbytes' NF4
+    round trip (kv_a_proj_with_mqa's too); transformers' logits of both."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.convert.tiny import make_tokens
+    from tests.models.test_nf4_layouts import bnb_round_trip
+
+    root = tmp_path_factory.mktemp("deepseek_nf4")
+    paths = {k: str(root / k) for k in ("hf", "hf_nf4")}
+    make(paths["hf"], **NF4_SIZES)
+    shutil.copytree(paths["hf"], paths["hf_nf4"])
+    replaced = set()
+    for f in glob.glob(os.path.join(paths["hf_nf4"], "*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if ".layers." in name and name.endswith(("_proj.weight", "_mqa.weight")):
+                tensors[name] = bnb_round_trip(t)
+                replaced.add(name.split("self_attn.")[-1].split("mlp.")[-1])
+        save_file(tensors, f, metadata={"format": "pt"})
+    assert {"q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+            "kv_b_proj.weight", "o_proj.weight", "shared_experts.down_proj.weight"} <= replaced
+    tokens = make_tokens(batch=2, seq=8, vocab=F.VOCAB)
+    paths["reference"] = str(root / "reference.safetensors")
+    save_file({"tokens": tokens, "nf4": F.hf_logits(paths["hf_nf4"], tokens).contiguous(),
+               "full": F.hf_logits(paths["hf"], tokens).contiguous()}, paths["reference"])
+    return paths
+
+
+@pytest.mark.parametrize("layout,world_size", [
+    pytest.param(ParallelLayout(), 1, id="1rank"),
+    pytest.param(ParallelLayout(tp=2, ep=2, sp=True), 4, id="TP2xEP2+SP"),
+])
+def test_nf4_base_logits_match_transformers_on_the_round_trip(layout, world_size, nf4_ds):
+    _nf4_logits(layout=layout, world_size=world_size, paths=nf4_ds)
+
+
+@F.multirank(world_size=lambda world_size, **_: world_size, timeout=600)
+def _nf4_logits(layout, world_size, paths):
+    """The streamed NF4 load (`--base-quantization nf4`'s) of the full-precision checkpoint
+    gives transformers' logits of the round-trip copy within 1e-4, and not the full model's."""
+    from safetensors.torch import load_file
+
+    from megatron_lora.cli.model_setup import build_base
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.models.build import model_config
+    from megatron_lora.testing import parity
+
+    ref = load_file(paths["reference"])
+    info, hf, _ = open_hf(paths["hf"])
+    model = build_base(info, model_config(info, layout), hf=hf, base_quantization="nf4")
+    logits = forward_logits(model, ref["tokens"], info.vocab_size)
+    if parity.assert_held_by(logits, 1, "the logits"):
+        diff = (logits - ref["nf4"]).abs().max().item()
+        assert diff <= F.TOL, f"{layout.describe()}: max abs diff {diff:.3e}"
+        assert (logits - ref["full"]).abs().max().item() > 1e-2  # the base really is NF4

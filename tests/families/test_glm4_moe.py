@@ -42,7 +42,6 @@ MTP = {"model.layers.4.eh_proj.weight": (64, 128), "model.layers.4.enorm.weight"
 
 
 def make(directory: str, seed: int = 0, **overrides) -> None:
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Glm4MoeConfig
 
     torch.manual_seed(seed)
@@ -59,11 +58,7 @@ def make(directory: str, seed: int = 0, **overrides) -> None:
     model.save_pretrained(directory, max_shard_size="200KB")
     # the multi-token-prediction layer the published checkpoints hold (transformers does not
     # build it): one more shard, listed in the index
-    save_file({k: torch.randn(s) for k, s in MTP.items()}, os.path.join(directory, "mtp.safetensors"))
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    index = json.load(open(index_path))
-    index["weight_map"].update({k: "mtp.safetensors" for k in MTP})
-    json.dump(index, open(index_path, "w"))
+    F.add_extra_shard(directory, MTP)
 
 
 @pytest.fixture(scope="module")

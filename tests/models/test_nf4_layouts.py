@@ -5,11 +5,15 @@ trip (each HF tensor, each expert's matrix on its own), at one rank, PP2xEP2 and
 magnitude is the row norm of the dequantised weight (merging onto NF4 and quantising under
 adapters are refused); autograd keeps no dequantised weight from
 forward to backward (with the Function saving it: [128, 128] and [256, 128] tensors are kept),
-and full recomputation of the NF4 layers gives the same gradients.
+and full recomputation of the NF4 layers gives the same gradients. Streamed loading
+(convert/load_nf4.py: linears built without weights, each read, quantised and dropped) from HF
+and from torch_dist at TP2xEP2+SP and PP2xEP2 gives every tensor of load-then-quantize_base bit
+for bit, never holding more than one linear's shard and a stored chunk besides its NF4 model.
 
 The model is the tiny Mixtral of tests/convert widened to 128 (hidden, attention and expert
 widths), so that a TP2 / ETP2 shard of a row-parallel linear holds 64 columns: whole blocks."""
 
+import gc
 import glob
 import os
 import shutil
@@ -174,3 +178,105 @@ def test_backward_keeps_no_dequantised_weight(nf4_mixtral, layout=ParallelLayout
     _loss(again, tokens).backward()
     torch.testing.assert_close(again.embedding.word_embeddings.weight.grad, grad, rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def nf4_mixtral_mcore(nf4_mixtral, tmp_path_factory):
+    """The full-precision checkpoint converted to torch_dist (`convert hf-to-mcore`)."""
+    from megatron_lora.cli import main
+
+    out = str(tmp_path_factory.mktemp("nf4_mixtral_mcore") / "mcore")
+    assert main(["convert", "hf-to-mcore", "--hf-dir", nf4_mixtral["hf"], "--save", out,
+                 "--no-progress"]) == 0
+    return out
+
+
+def _live_bytes() -> int:
+    """Bytes of the distinct storages of every tensor Python can reach (meta ones hold none)."""
+    storages = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and not o.is_meta:
+            s = o.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+STREAMED = [  # (layout, grouped experts, dispatcher), all at world 4
+    pytest.param(ParallelLayout(tp=2, ep=2, sp=True), True, "allgather", id="TP2xEP2+SP-grouped"),
+    pytest.param(ParallelLayout(pp=2, ep=2), False, "alltoall", id="PP2xEP2-alltoall"),
+]
+
+
+@pytest.mark.parametrize("layout,grouped,dispatcher", STREAMED)
+@multirank(world_size=4, timeout=300)
+def test_streamed_load_holds_one_linear_at_a_time_and_equals_quantize_base(
+        layout, grouped, dispatcher, nf4_mixtral, nf4_mixtral_mcore):
+    """Built with deferred decoder linears and loaded by load_nf4 from HF safetensors and from
+    the torch_dist checkpoint (convert/load_nf4.py): while each linear is quantised, every
+    linear not yet quantised still has no weight (meta); the result is bit for bit what loading
+    in full precision then quantize_base gives (every NF4 buffer, its layout, every other
+    tensor), and its logits are within 1e-4 of transformers on the round trip."""
+    from megatron_lora.convert import load_nf4 as streaming
+    from megatron_lora.convert.hf_to_mcore import open_hf
+    from megatron_lora.convert.load import load_hf
+    from megatron_lora.convert.logits import forward_logits
+    from megatron_lora.models.build import build_model, model_config
+    from megatron_lora.models.nf4_deferred import deferred_decoder_linears, deferred_linears
+    from megatron_lora.models.nf4_linear import held_bytes, is_nf4
+    from megatron_lora.models.nf4_model import quantize_base
+
+    ref = load_file(nf4_mixtral["reference"])
+    info, hf, _ = open_hf(nf4_mixtral["hf"])
+
+    def build():
+        return build_model(info, model_config(info, layout, dispatcher=dispatcher),
+                           moe_grouped_gemm=grouped)
+
+    whole = build()
+    with pytest.raises(ValueError, match="must all be deferred"):  # local, before collectives
+        streaming.load_nf4(whole, info, hf=hf)
+    load_hf(whole, info, hf)
+    quantize_base(whole)
+    expected = {k: v for k, v in whole.state_dict(keep_vars=True).items()
+                if isinstance(v, torch.Tensor)}
+    expected.update(dict(whole.named_buffers()))
+    layouts = {n: (m.nf4_layout, m.nf4_dtype) for n, m in whole.named_modules() if is_nf4(m)}
+    original = streaming.quantize_linear_
+    for source in (dict(hf=hf), dict(directory=nf4_mixtral_mcore)):
+        with deferred_decoder_linears():
+            model = build()
+        linears = deferred_linears(model)
+        assert [n for n, _ in linears] == list(layouts)
+        largest = max(m.weight.numel() * m.weight.element_size() for _, m in linears)
+        order = []
+
+        def watched(name, linear, weight):
+            still = [n for n, m in linears if not is_nf4(m) and n != name]
+            assert all(m._parameters["weight"].is_meta for n, m in linears if n in still), name
+            assert len(still) + len(order) + 1 == len(linears)
+            # what the loader holds besides the NF4 linears made so far: this linear's shard
+            # and reader caches (a stored chunk), never the linears to come (x tp: global sizes)
+            extra = _live_bytes() - before - sum(held_bytes(m) for _, m in linears if is_nf4(m))
+            assert 0 < extra <= 3 * layout.tp * largest, (name, extra, largest)
+            order.append(name)
+            original(name, linear, weight)
+
+        streaming.quantize_linear_ = watched
+        try:
+            before = _live_bytes()
+            assert streaming.load_nf4(model, info, **source) == len(layouts)
+        finally:
+            streaming.quantize_linear_ = original
+        assert order == list(layouts)
+        got = {k: v for k, v in model.state_dict(keep_vars=True).items()
+               if isinstance(v, torch.Tensor)}
+        got.update(dict(model.named_buffers()))
+        assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+        for k, v in expected.items():
+            assert v.dtype == got[k].dtype and torch.equal(v, got[k]), (list(source), k)
+        assert {n: (m.nf4_layout, m.nf4_dtype) for n, m in model.named_modules()
+                if is_nf4(m)} == layouts
+        logits = forward_logits(model, ref["tokens"], info.vocab_size)
+        if parity.assert_held_by(logits, 1, "the logits"):
+            diff = (logits - ref["nf4"]).abs().max().item()
+            assert diff <= 1e-4, f"{layout.describe()} {list(source)}: max abs diff {diff:.3e}"

@@ -5,8 +5,8 @@
 # --recompute-granularity full: README.md).
 #   HF=/data/DeepSeek-V3 DATA=/data/train.jsonl SAVE=/ckpt/deepseek-v3-qlora bash train_1node_nf4.sh
 # The base is read straight from the HF folder: its FP8 weights are dequantised as they are read,
-# then quantised to NF4 (each rank its own shards). The multi-token-prediction layer is not built.
-# NF4 on DeepSeek's MLA projections is not yet checked against bitsandbytes (docs/families.md).
+# then quantised to NF4 linear by linear (each rank its own shards, streamed: docs/qlora.md). The
+# multi-token-prediction layer is not built.
 set -euo pipefail
 : "${HF:?set HF to the Hugging Face DeepSeek-V3 folder}"
 : "${DATA:?set DATA to a JSONL file}"

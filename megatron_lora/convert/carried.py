@@ -8,6 +8,10 @@ checkpoint folder, and mcore-to-hf (so also `export hf --merge`) copies that fil
 HF folder as `model-carried.safetensors`, listed in the index: the result is the complete
 checkpoint again. The file is read only from inside its folder (no symlink out), and only tensors
 of the layers config.json counts are taken (ConversionError naming the file and tensor otherwise).
+The tensors are read through the checkpoint's reader, so a fine-grained FP8 checkpoint's
+(DeepSeek-V3's MTP layer) are carried dequantised, in the dtype of its other weights, like the
+rest of the output, whose config.json has no FP8 quantization_config
+(tests/families/test_deepseek_v3.py).
 """
 
 from __future__ import annotations

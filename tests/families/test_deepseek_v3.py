@@ -355,3 +355,49 @@ def _nf4_logits(layout, world_size, paths):
         diff = (logits - ref["nf4"]).abs().max().item()
         assert diff <= F.TOL, f"{layout.describe()}: max abs diff {diff:.3e}"
         assert (logits - ref["full"]).abs().max().item() > 1e-2  # the base really is NF4
+
+
+def test_an_fp8_checkpoint_converts_as_its_transformers_dequantised_copy(ds, tmp_path):
+    """DeepSeek-V3 is published in fine-grained FP8: an FP8 copy of the V3 model (16 x 16
+    blocks, partial ones at the edges; MLA's, the experts' and the MTP layer's weights) converts
+    to what its copy dequantised by transformers' own `_dequantize_fp8_weight` converts to, bit
+    for bit, the MTP layer included, and the way back writes no FP8 `quantization_config`."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from megatron_lora.convert.hf_to_mcore import hf_to_mcore
+    from megatron_lora.convert.mcore_to_hf import mcore_to_hf
+    from tests.convert.test_fp8 import tool
+    from tests.convert.test_roundtrip import assert_bit_identical, read_hf_tensors
+
+    fp8, deq = str(tmp_path / "fp8"), str(tmp_path / "deq")
+    tool().make_fp8(ds["hf"], fp8, (16, 16))
+    shutil.copytree(ds["hf"], deq)
+    quantised = 0
+    for shard in [f for f in os.listdir(fp8) if f.endswith(".safetensors")]:
+        with safe_open(os.path.join(fp8, shard), framework="pt") as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith("_scale_inv"):
+                continue
+            if t.dtype == torch.float8_e4m3fn:
+                t = _dequantize_fp8_weight(t, tensors[name + "_scale_inv"], [16, 16],
+                                           torch.float32)
+                quantised += 1
+            out[name] = t.contiguous()
+        save_file(out, os.path.join(deq, shard), metadata={"format": "pt"})
+    assert quantised > 40  # MLA's five, the experts', the shared expert's, the dense MLP's, MTP's
+    outs = {}
+    for name, folder in (("fp8", fp8), ("deq", deq)):
+        hf_to_mcore(folder, str(tmp_path / f"mcore_{name}"), progress=False)
+        outs[name] = str(tmp_path / f"out_{name}")
+        mcore_to_hf(str(tmp_path / f"mcore_{name}"), outs[name], progress=False)
+    got, want = read_hf_tensors(outs["fp8"]), read_hf_tensors(outs["deq"])
+    assert not any(k.endswith("_scale_inv") for k in got) and set(MTP) <= set(got)
+    assert got["model.layers.4.eh_proj.weight"].dtype == torch.float32
+    assert_bit_identical(want, got)
+    assert "quantization_config" not in json.load(open(os.path.join(outs["fp8"], "config.json")))

@@ -60,10 +60,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per parameter of an NF4 linear (models/nf4.py)
 # Multi-latent attention's q/kv projections (megatron's names); `linear_qkv` stands for them all.
-MLA_INPUT_KINDS = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj",
-                   "linear_kv_down_proj", "linear_kv_up_proj")
-
-
 def mla_activation_elements(shape) -> int:
     """bf16 elements one token of one layer's multi-latent attention keeps for backward, every TP
     rank together (the module docstring lists them): the layer's input and the pre-MLP norm's
@@ -90,11 +86,11 @@ def _attention(s, r: int, targets) -> tuple:
         lora = (("linear_qkv" in targets) * (r * h + (heads + 2 * kv) * d * r)
                 + ("linear_proj" in targets) * (r * heads * d + h * r))
         return qkv + heads * d * h, 0, lora, 5 * h
-    from megatron_lora.training.flops import mla_linear_shapes
+    from megatron_lora.families.shape import MLA_INPUTS
 
-    linears = mla_linear_shapes(s)  # {name: (in, out)}
+    linears = s.mla.linear_shapes(h, heads)  # {name: (in, out)}
     adapted = [name for name in linears if name in targets or (
-        name in MLA_INPUT_KINDS and "linear_qkv" in targets)]
+        name in MLA_INPUTS and "linear_qkv" in targets)]
     lora = sum(r * sum(linears[name]) for name in adapted)  # A [r, in] and B [out, r]
     norms = (s.mla.q_lora_rank or 0) + s.mla.kv_lora_rank
     return (sum(i * o for i, o in linears.values()), norms, lora,
@@ -108,6 +104,7 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     """Bytes per GPU by part for the config.json dict `cfg` of any supported family (its sizes as
     megatron builds them: families.model_info; refused configs raise ModelConfigError)."""
     from megatron_lora.families import model_info
+    from megatron_lora.families.shape import MLA_INPUTS
 
     s = model_info(cfg, source="--hf-config").shape
     h, f = s.hidden_size, s.ffn_hidden_size
@@ -124,7 +121,7 @@ def estimate(cfg: dict, layout, world: int, seq: int, micro_batch: int, rank: in
     if s.mla is not None and unfused_attention:
         raise ValueError("--unfused-attention: multi-latent attention runs on SDPAttention only "
                          "(models/mla.py); drop the flag")
-    counted = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") + MLA_INPUT_KINDS
+    counted = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") + MLA_INPUTS
     uncounted = [t for t in targets if t not in counted]
     if uncounted:
         raise ValueError(f"--lora-target-modules {' '.join(uncounted)}: not counted by this "

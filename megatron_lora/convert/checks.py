@@ -238,14 +238,13 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
 
 
 def _mla_attention_elements(s, tp: int) -> int:
-    """Elements of an MLA layer's attention and its two layer norms on one TP rank: the down
-    projections' rows and the up / output projections' heads split over TP, the norms whole."""
-    m, h, n = s.mla, s.hidden_size, s.num_attention_heads
-    q = (_ceil(n * m.q_head_dim * h, tp) if m.q_lora_rank is None else
-         _ceil(m.q_lora_rank * h, tp) + m.q_lora_rank + _ceil(n * m.q_head_dim * m.q_lora_rank, tp))
-    kv = (_ceil((m.kv_lora_rank + m.qk_pos_emb_head_dim) * h, tp) + m.kv_lora_rank
-          + _ceil(n * (m.qk_head_dim + m.v_head_dim) * m.kv_lora_rank, tp))
-    return 2 * h + q + kv + _ceil(h * n * m.v_head_dim, tp)
+    """Elements of an MLA layer's attention and its two layer norms on one TP rank: every linear
+    split over TP (the down projections' rows, the up and output projections' heads), the latent
+    norms and layer norms whole."""
+    m = s.mla
+    linears = m.linear_shapes(s.hidden_size, s.num_attention_heads).values()
+    return (2 * s.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank
+            + sum(_ceil(n_in * n_out, tp) for n_in, n_out in linears))
 
 
 def gib(n: int) -> str:

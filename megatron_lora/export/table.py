@@ -53,6 +53,7 @@ from megatron_lora.convert.fused_experts import FusedExperts, OneExpert
 from megatron_lora.convert.mapping import QKV, Direct, Zeros, mcore_tensors
 from megatron_lora.convert.sources import RopeRows
 from megatron_lora.families import ModelInfo
+from megatron_lora.families.shape import MLA_INPUTS
 
 PEFT_PREFIX = "base_model.model."
 
@@ -108,8 +109,7 @@ KINDS: Tuple[Kind, ...] = (
 ) + tuple(  # multi-latent attention's input projections: the linear_qkv target there
     Kind(name, f"decoder.layers.self_attention.{name}.weight",
          f"decoder.layers.self_attention.{name}.", 1, "linear_qkv")
-    for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
-                 "linear_kv_down_proj", "linear_kv_up_proj"))
+    for name in MLA_INPUTS)
 KIND_BY_NAME: Dict[str, Kind] = {k.name: k for k in KINDS}
 # re.search patterns selecting one kind among megatron's global adapter names (LoraConfig patterns)
 KIND_PATTERN: Dict[str, str] = {
@@ -124,9 +124,7 @@ KIND_PATTERN: Dict[str, str] = {
     "shared_fc2": r"shared_experts\.linear_fc2$",
     "dense_fc1": r"layers\.\d+\.mlp\.linear_fc1$",
     "dense_fc2": r"layers\.\d+\.mlp\.linear_fc2$",
-    **{name: rf"self_attention\.{name}$" for name in ("linear_q_proj", "linear_q_down_proj",
-                                                     "linear_q_up_proj", "linear_kv_down_proj",
-                                                     "linear_kv_up_proj")},
+    **{name: rf"self_attention\.{name}$" for name in MLA_INPUTS},
 }
 
 
@@ -186,7 +184,7 @@ def _global_name(kind: str, index: Tuple[int, ...]) -> str:
     if kind in ("embedding", "output_layer"):
         return kind
     layer = f"decoder.layers.{index[0]}"
-    if kind.startswith("linear_q") or kind.startswith("linear_kv"):  # MLA projections
+    if kind in MLA_INPUTS:
         return f"{layer}.self_attention.{kind}"
     return {
         "linear_qkv": f"{layer}.self_attention.linear_qkv",

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 VOCAB_MULTIPLE = 128
+# multi-latent attention's input projections (megatron's module names; MlaShape.linear_shapes)
+MLA_INPUTS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+              "linear_kv_up_proj")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,23 @@ class MlaShape:
     def q_head_dim(self) -> int:
         """Channels per query/key head (nope + rope)."""
         return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    def linear_shapes(self, hidden: int, heads: int) -> Dict[str, Tuple[int, int]]:
+        """{megatron name: (in_features, out_features)} of one layer's attention linears, global
+        (models/mla.py has their tensor table): linear_q_down_proj (h -> q_lora_rank) and
+        linear_q_up_proj (q_lora_rank -> n (nope + rope)), or linear_q_proj (h -> n (nope +
+        rope)) without q_lora_rank; linear_kv_down_proj (h -> kv_lora_rank + rope),
+        linear_kv_up_proj (kv_lora_rank -> n (nope + v)), linear_proj (n v -> h)."""
+        out = {}
+        if self.q_lora_rank:
+            out["linear_q_down_proj"] = (hidden, self.q_lora_rank)
+            out["linear_q_up_proj"] = (self.q_lora_rank, heads * self.q_head_dim)
+        else:
+            out["linear_q_proj"] = (hidden, heads * self.q_head_dim)
+        out["linear_kv_down_proj"] = (hidden, self.kv_lora_rank + self.qk_pos_emb_head_dim)
+        out["linear_kv_up_proj"] = (self.kv_lora_rank, heads * (self.qk_head_dim + self.v_head_dim))
+        out["linear_proj"] = (heads * self.v_head_dim, hidden)
+        return out
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:

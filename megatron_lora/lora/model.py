@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron_lora.families.shape import MLA_INPUTS
 from megatron_lora.lora.adapter import LoraAdapter
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.embedding import EmbeddingLora, wrap_embedding, wrap_output_layer
@@ -37,8 +38,7 @@ from megatron_lora.lora.trainable_tokens import model_token_problems, wrap_model
 
 # The attention's input projections, which the target kind linear_qkv covers: fused q/k/v, or
 # multi-latent attention's (q down/up or one q projection, kv down/up), in megatron's names.
-ATTENTION_INPUTS = ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
-                    "linear_kv_down_proj", "linear_kv_up_proj")
+ATTENTION_INPUTS = ("linear_qkv",) + MLA_INPUTS
 _DORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 

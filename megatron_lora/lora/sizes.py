@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import List, Tuple
 
-from megatron_lora.families.shape import moe_layer_pattern
+from megatron_lora.families.shape import MLA_INPUTS, MlaShape, moe_layer_pattern
 from megatron_lora.lora.targets import KINDS
 
 
@@ -30,16 +30,22 @@ def mla_projections(config) -> List[Tuple[str, Tuple[int, str], Tuple[int, str]]
     model without MLA (config.multi_latent_attention)."""
     if not getattr(config, "multi_latent_attention", False):
         return []
-    h, n, q, kv = (config.hidden_size, config.num_attention_heads, config.q_lora_rank,
-                   config.kv_lora_rank)
-    nope, rope, v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
-    hid, heads = (h, "hidden size"), (n * (nope + rope), "heads x (nope + rope) head dim")
-    q_proj = ([("linear_q_proj", hid, heads)] if q is None else
-              [("linear_q_down_proj", hid, (q, "q_lora_rank")),
-               ("linear_q_up_proj", (q, "q_lora_rank"), heads)])
-    return q_proj + [("linear_kv_down_proj", hid, (kv + rope, "kv_lora_rank + rope head dim")),
-                     ("linear_kv_up_proj", (kv, "kv_lora_rank"),
-                      (n * (nope + v), "heads x (nope + value) head dim"))]
+    mla = MlaShape(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+                   qk_head_dim=config.qk_head_dim, qk_pos_emb_head_dim=config.qk_pos_emb_head_dim,
+                   v_head_dim=config.v_head_dim)
+    shapes = mla.linear_shapes(config.hidden_size, config.num_attention_heads)
+    return [(name, (n_in, _MLA_WHAT[name][0]), (n_out, _MLA_WHAT[name][1]))
+            for name, (n_in, n_out) in shapes.items() if name in MLA_INPUTS]
+
+
+# what the sizes of each MLA input projection (in, out) come from, for messages
+_MLA_WHAT = {
+    "linear_q_proj": ("hidden size", "heads x (nope + rope) head dim"),
+    "linear_q_down_proj": ("hidden size", "q_lora_rank"),
+    "linear_q_up_proj": ("q_lora_rank", "heads x (nope + rope) head dim"),
+    "linear_kv_down_proj": ("hidden size", "kv_lora_rank + rope head dim"),
+    "linear_kv_up_proj": ("kv_lora_rank", "heads x (nope + value) head dim"),
+}
 
 
 def _features(config, kind: str, vocab_size: int) -> Tuple[Tuple[int, str], Tuple[int, str]]:

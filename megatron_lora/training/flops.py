@@ -104,21 +104,8 @@ def shape_sizes(shape: ModelShape) -> SimpleNamespace:
 
 def mla_linear_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
     """{megatron name: (in_features, out_features)} of one multi-latent attention layer's linears
-    (global; the tensor table of models/mla.py): linear_q_down_proj (h -> q_lora_rank) and
-    linear_q_up_proj (q_lora_rank -> n (nope + rope)), or linear_q_proj (h -> n (nope + rope))
-    without q_lora_rank; linear_kv_down_proj (h -> kv_lora_rank + rope), linear_kv_up_proj
-    (kv_lora_rank -> n (nope + v)), linear_proj (n v -> h)."""
-    m, h, n = shape.mla, shape.hidden_size, shape.num_attention_heads
-    out = {}
-    if m.q_lora_rank:
-        out["linear_q_down_proj"] = (h, m.q_lora_rank)
-        out["linear_q_up_proj"] = (m.q_lora_rank, n * m.q_head_dim)
-    else:
-        out["linear_q_proj"] = (h, n * m.q_head_dim)
-    out["linear_kv_down_proj"] = (h, m.kv_lora_rank + m.qk_pos_emb_head_dim)
-    out["linear_kv_up_proj"] = (m.kv_lora_rank, n * (m.qk_head_dim + m.v_head_dim))
-    out["linear_proj"] = (n * m.v_head_dim, h)
-    return out
+    (families/shape.py MlaShape.linear_shapes)."""
+    return shape.mla.linear_shapes(shape.hidden_size, shape.num_attention_heads)
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> int:

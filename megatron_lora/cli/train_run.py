@@ -123,6 +123,10 @@ def _setup_checks(args, layout, world_size):
         problems += _recompute_problems(args, info.shape.num_layers // layout.pp)
         problems += quantization.quantization_problems(args, info, layout)  # nf4: widths
         problems += quantization.saved_quantization_problems(args, resume_at, initial)
+        if info.shape.mla is not None and args.transformer_impl != "local":
+            problems.append(f"--transformer-impl {args.transformer_impl}: multi-latent attention "
+                            f"(DeepSeek) is built from the local layers; use --transformer-impl "
+                            f"local")
         if getattr(args, "moe_grouped_gemm", None) and args.transformer_impl != "local":
             problems.append("--moe-grouped-gemm builds grouped experts from the local layers; use "
                             "it with --transformer-impl local (or pass --no-moe-grouped-gemm)")

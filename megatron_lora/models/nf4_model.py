@@ -57,6 +57,14 @@ def nf4_layout_problems(shape, layout) -> List[str]:
         ("num_attention_heads x kv_channels (input of linear_proj)",
          shape.num_attention_heads * kv, layout.tp, "--tensor-model-parallel-size"),
     ]
+    if shape.mla is not None:  # multi-latent attention's inputs (MlaShape.linear_shapes)
+        m = shape.mla
+        widths[1] = ("num_attention_heads x v_head_dim (input of linear_proj)",
+                     shape.num_attention_heads * m.v_head_dim, layout.tp,
+                     "--tensor-model-parallel-size")
+        widths.append(("kv_lora_rank (input of linear_kv_up_proj)", m.kv_lora_rank, 1, None))
+        if m.q_lora_rank:
+            widths.append(("q_lora_rank (input of linear_q_up_proj)", m.q_lora_rank, 1, None))
     if shape.num_experts:
         widths.append(("moe_ffn_hidden_size (input of each expert's fc2)",
                        shape.ffn_hidden_size, layout.expert_tp, "--expert-tensor-parallel-size"

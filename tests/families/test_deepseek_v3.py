@@ -401,3 +401,44 @@ def test_an_fp8_checkpoint_converts_as_its_transformers_dequantised_copy(ds, tmp
     assert got["model.layers.4.eh_proj.weight"].dtype == torch.float32
     assert_bit_identical(want, got)
     assert "quantization_config" not in json.load(open(os.path.join(outs["fp8"], "config.json")))
+
+
+def test_train_with_transformer_engine_layers_is_one_line_before_any_work(ds, tmp_path, capsys,
+                                                                          monkeypatch):
+    """MLA is built from the local layers: `--transformer-impl transformer_engine` is refused
+    with one line naming the flag, nothing written."""
+    from megatron_lora.cli import main
+    from tests.data.tiny_tokenizers import mistral_folder
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+        monkeypatch.setenv(k, v)
+    save = str(tmp_path / "run")
+    tok = mistral_folder(str(tmp_path / "tok"), vocab_size=F.VOCAB)
+    code = main(["train", "--load-hf", ds["hf"], "--tokenizer", tok,
+                 "--data-path", F.text_data(str(tmp_path / "data.jsonl")), "--seq-length", "16",
+                 "--global-batch-size", "1", "--train-iters", "1", "--save", save,
+                 "--transformer-impl", "transformer_engine"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert "--transformer-impl transformer_engine: multi-latent attention (DeepSeek) is built " \
+           "from the local layers; use --transformer-impl local" in err, err
+    assert not os.path.exists(save)
+
+
+def test_nf4_layout_checks_read_mla_widths():
+    """The CLI's NF4 width checks read MLA's inputs: linear_proj's is n x v_head_dim (128 at
+    NF4_SIZES, 64 a TP2 rank), not n x (nope + rope) (64, 32 a rank); the latent ranks too."""
+    from megatron_lora.models.nf4_model import nf4_layout_problems
+
+    shape = model_info(dict(CONFIG, **NF4_SIZES)).shape
+    assert nf4_layout_problems(shape, ParallelLayout(tp=2, ep=2, sp=True)) == []
+    narrow = model_info(dict(CONFIG, **dict(NF4_SIZES, v_head_dim=16, kv_lora_rank=48))).shape
+    assert nf4_layout_problems(narrow, ParallelLayout(tp=2, ep=2, sp=True)) == [
+        "--base-quantization nf4: num_attention_heads x v_head_dim (input of linear_proj) = 64 "
+        "split over --tensor-model-parallel-size 2 gives 32 input columns per rank, not a "
+        "multiple of 64 (NF4 blocks are 64 input columns of one row); use a smaller "
+        "--tensor-model-parallel-size",
+        "--base-quantization nf4: kv_lora_rank (input of linear_kv_up_proj) = 48 is not a "
+        "multiple of 64 (NF4 blocks are 64 input columns of one row); this model cannot be held "
+        "in NF4"]

@@ -74,7 +74,7 @@ def read_tokens(path: str, vocab_size: int):
         raise ConversionError(f"{path}: token id [{bad[0]}][{bad[1]}] = {json_value(bad[2])} is "
                               f"outside the model's vocabulary: ids must satisfy "
                               f"0 <= id < {vocab_size}")
-    return torch.tensor(rows, dtype=torch.int64)
+    return torch.tensor(rows, dtype=torch.int64, device="cpu")
 
 
 def _check_batch(tokens, layout, world_size: int, micro_batch_size: int, info) -> None:

@@ -199,7 +199,7 @@ def parameter_bytes_per_rank(info: ModelInfo, layout: ParallelLayout, dtype: tor
     (ETP), its whole norms and routers (with the fp32 expert bias, a buffer). Same on every
     rank."""
     s = info.shape
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     h, f, E = s.hidden_size, s.ffn_hidden_size, s.num_experts or 0
     n, g, d = s.num_attention_heads, s.num_query_groups, info.head_dim
     tp, etp = layout.tp, layout.expert_tp

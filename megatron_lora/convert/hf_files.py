@@ -141,7 +141,7 @@ class HFCheckpoint:
 
 
 def _nbytes(info: TensorInfo) -> int:
-    n = torch.tensor([], dtype=info.dtype).element_size()
+    n = info.dtype.itemsize
     for s in info.shape:
         n *= s
     return n

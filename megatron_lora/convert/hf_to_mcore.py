@@ -190,7 +190,7 @@ def read_mcore_info(mcore_dir: str, hf_config: str = None) -> ModelInfo:
 
 
 def _nbytes(sizes, dtype) -> int:
-    n = torch.tensor([], dtype=dtype).element_size()
+    n = dtype.itemsize
     for s in sizes:
         n *= s
     return n

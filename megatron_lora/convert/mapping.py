@@ -62,7 +62,7 @@ class Zeros:
         return {}
 
     def read(self, reader, index: Slices) -> torch.Tensor:
-        return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype)
+        return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype, device="cpu")
 
     def split(self, data: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {}

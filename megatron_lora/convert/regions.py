@@ -65,7 +65,7 @@ def assemble(
     if len(parts) == 1 and parts[0][0] == (offsets, sizes):
         box, c_off, fetch = parts[0]
         return fetch(relative(box, c_off)).reshape(sizes)
-    out = torch.empty(sizes, dtype=dtype)
+    out = torch.empty(sizes, dtype=dtype, device="cpu")
     for box, c_off, fetch in parts:
         out[relative(box, offsets)] = fetch(relative(box, c_off)).reshape(box[1])
     return out

@@ -21,7 +21,7 @@ _NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = torch.tensor([], dtype=dtype).element_size()
+    n = dtype.itemsize
     for s in shape:
         n *= s
     return n

@@ -21,6 +21,11 @@ class Batch:
     loss_mask: torch.Tensor  # [B, S] float32
     attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked
 
+    def to(self, device: torch.device) -> "Batch":
+        """This batch on `device` (made on the host; the training loop moves it once)."""
+        return Batch(*(None if t is None else t.to(device, non_blocking=True)
+                       for t in (self.tokens, self.labels, self.loss_mask, self.attention_mask)))
+
 
 class PackedDataset:
     def __init__(self, rows: PackedRows, seed: int):
@@ -36,7 +41,8 @@ class PackedDataset:
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch != self._cached_epoch:
             g = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
-            self._cached_epoch, self._cached_order = epoch, torch.randperm(len(self), generator=g)
+            self._cached_epoch, self._cached_order = epoch, torch.randperm(len(self), generator=g,
+                                                                           device="cpu")
         return self._cached_order
 
     def batch(self, consumed_samples: int, global_batch_size: int) -> Batch:
@@ -45,7 +51,7 @@ class PackedDataset:
         for pos in range(consumed_samples, consumed_samples + global_batch_size):
             epoch, within = divmod(pos, len(self))
             idx.append(int(self._order(epoch)[within]))
-        index = torch.tensor(idx)
+        index = torch.tensor(idx, device="cpu")
         tokens, labels, loss_mask, attention_mask = inputs_labels_mask(
             self.rows.tokens[index], self.rows.targets[index], self.rows.sample_ids[index]
         )

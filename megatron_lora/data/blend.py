@@ -76,7 +76,7 @@ def stream_rows(dataset, positions: Sequence[int]):
     for pos in positions:
         epoch, within = divmod(int(pos), len(dataset))
         idx.append(int(dataset._order(epoch)[within]))
-    index = torch.tensor(idx, dtype=torch.long)
+    index = torch.tensor(idx, dtype=torch.long, device="cpu")
     r = dataset.rows
     return r.tokens[index], r.targets[index], r.sample_ids[index]
 

@@ -52,9 +52,9 @@ def pack_samples(samples: Sequence[Sample], seq_length: int, pad_id: int) -> Pac
     if cur_tok:
         flush()
     return PackedRows(
-        tokens=torch.tensor(rows_tok, dtype=torch.long),
-        targets=torch.tensor(rows_tgt, dtype=torch.float32),
-        sample_ids=torch.tensor(rows_sid, dtype=torch.long),
+        tokens=torch.tensor(rows_tok, dtype=torch.long, device="cpu"),
+        targets=torch.tensor(rows_tgt, dtype=torch.float32, device="cpu"),
+        sample_ids=torch.tensor(rows_sid, dtype=torch.long, device="cpu"),
         num_samples=len(samples),
     )
 
@@ -71,8 +71,8 @@ def inputs_labels_mask(tokens, targets, sample_ids):
     loss_mask = targets[:, 1:] * same.to(targets.dtype)
     sid = sample_ids[:, :-1]
     s = sid.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device="cpu").tril()
     allowed = (sid.unsqueeze(2) == sid.unsqueeze(1)) & causal
     # Padding rows attend to themselves only, so softmax never sees an all-masked row.
-    allowed |= torch.eye(s, dtype=torch.bool)
+    allowed |= torch.eye(s, dtype=torch.bool, device="cpu")
     return inputs.contiguous(), labels.contiguous(), loss_mask.contiguous(), (~allowed).unsqueeze(1)

@@ -129,8 +129,8 @@ def _plan(pf: PeftAdapterFile, site: Site) -> Optional[SitePlan]:
 
 def _site_factors(plan: Optional[SitePlan], site: Site, rank: int, a_cols: int, b_rows: int,
                   dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    a_out = torch.zeros(rank, a_cols, dtype=dtype)
-    b_out = torch.zeros(b_rows, rank, dtype=dtype)
+    a_out = torch.zeros(rank, a_cols, dtype=dtype, device="cpu")
+    b_out = torch.zeros(b_rows, rank, dtype=dtype, device="cpu")
     if plan is None:
         return a_out, b_out
     col = 0
@@ -150,11 +150,11 @@ def _site_factors(plan: Optional[SitePlan], site: Site, rank: int, a_cols: int, 
             for module, rows in b.items():
                 if factor != 1.0:
                     rows = (rows.float() * factor).to(dtype)
-                padded = torch.zeros(rows.shape[0], rank, dtype=dtype)
+                padded = torch.zeros(rows.shape[0], rank, dtype=dtype, device="cpu")
                 padded[:, target] = rows
                 by_module[module] = padded
         else:
-            full = torch.zeros(b_rows, rank, dtype=dtype)
+            full = torch.zeros(b_rows, rank, dtype=dtype, device="cpu")
             full[:b.shape[0], target] = b
         if not plan.shared:
             col += width
@@ -163,7 +163,7 @@ def _site_factors(plan: Optional[SitePlan], site: Site, rank: int, a_cols: int, 
     if site.kind.name == "embedding":
         (rows,) = by_module.values()
         return a_out, rows
-    pieces = [fuse_rows(part, {m: by_module.get(m, torch.zeros(rows, rank, dtype=dtype))
+    pieces = [fuse_rows(part, {m: by_module.get(m, torch.zeros(rows, rank, dtype=dtype, device="cpu"))
                                for m, rows in _module_rows(part).items()}, rank, dtype)
               for part in site.parts]
     return a_out, torch.cat(pieces, dim=0)

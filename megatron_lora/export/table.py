@@ -272,7 +272,7 @@ def split_rows(part: Part, b_rows: torch.Tensor) -> Dict[str, torch.Tensor]:
 def fuse_rows(part: Part, by_module: Dict[str, torch.Tensor], r: int, dtype) -> torch.Tensor:
     """The inverse of split_rows: this part's [rows, r] of B from each module's rows."""
     if isinstance(part.source, Zeros):
-        return torch.zeros(part.rows, r, dtype=dtype)
+        return torch.zeros(part.rows, r, dtype=dtype, device="cpu")
     src = _with_columns(part.source, r)
     reader = _DictReader({m + ".weight": t for m, t in by_module.items()})
     return src.read(reader, (slice(0, part.rows), slice(0, r))).reshape(part.rows, r)

@@ -64,10 +64,11 @@ def set_micro_batch_key(seed: int, iteration: int, micro_batch: int) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     seed = int(seed) & ((1 << 64) - 1)
-    key = _mix32((torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64) + _GOLDEN)
+    key = _mix32((torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64, device="cpu")
+                  + _GOLDEN)
                  & _MASK32)
     key = sub_key(key, int(iteration))
-    state = torch.cat([key, torch.tensor([int(micro_batch)], dtype=torch.int64)])
+    state = torch.cat([key, torch.tensor([int(micro_batch)], dtype=torch.int64, device="cpu")])
     mrandom.get_cuda_rng_tracker().states_[MICRO_BATCH_KEY] = state
 
 

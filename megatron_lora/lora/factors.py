@@ -29,15 +29,15 @@ def init_global_factors(
     r = config.rank
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     if config.init_scheme == "gaussian":
-        a = torch.randn(r, in_features, generator=gen) / r
+        a = torch.randn(r, in_features, generator=gen, device="cpu") / r
     else:
         bound = 1.0 / math.sqrt(in_features)
-        a = torch.empty(r, in_features).uniform_(-bound, bound, generator=gen)
+        a = torch.empty(r, in_features, device="cpu").uniform_(-bound, bound, generator=gen)
     if config.init_scheme == "random":
         bound = 1.0 / math.sqrt(r)
-        b = torch.empty(out_features, r).uniform_(-bound, bound, generator=gen)
+        b = torch.empty(out_features, r, device="cpu").uniform_(-bound, bound, generator=gen)
     else:
-        b = torch.zeros(out_features, r)
+        b = torch.zeros(out_features, r, device="cpu")
     return a, b
 
 

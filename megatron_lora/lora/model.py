@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron_lora import runtime
 from megatron_lora.families.shape import MLA_INPUTS
 from megatron_lora.lora.adapter import LoraAdapter
 from megatron_lora.lora.config import AdapterConfig
@@ -324,7 +325,7 @@ def count_parameters(model) -> Tuple[int, int]:
     """
     from megatron.core import parallel_state as ps
 
-    counts = torch.zeros(4, dtype=torch.float64)  # dense trainable, dense all, expert t, expert a
+    counts = [0, 0, 0, 0]  # dense trainable, dense all, expert trainable, expert all
     tp_rank = ps.get_tensor_model_parallel_rank()
     etp_rank = ps.get_expert_tensor_parallel_rank()
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -339,11 +340,12 @@ def count_parameters(model) -> Tuple[int, int]:
         counts[base + 1] += p.numel()
         if p.requires_grad:
             counts[base] += p.numel()
-    if dist.is_initialized():
-        dense, expert = counts[:2].clone(), counts[2:].clone()
+    if dist.is_initialized():  # on the rank's device: the groups are NCCL's on a GPU
+        here = dict(dtype=torch.float64, device=runtime.device())  # exact below 2^53
+        dense, expert = torch.tensor(counts[:2], **here), torch.tensor(counts[2:], **here)
         dist.all_reduce(dense, group=ps.get_model_parallel_group())
         dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-        counts = torch.cat([dense, expert])
+        counts = torch.cat([dense, expert]).tolist()  # one host read, at setup
     return int(counts[0] + counts[2]), int(counts[1] + counts[3])
 
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_lora import runtime
 from megatron_lora.lora.identity import adapter_seed, global_layer_prefix
 
 # The attribute that marks the replicated projection parameters (summed over TP x PP).
@@ -127,7 +128,7 @@ def _tp():
 
 
 def _uniform(shape, bound: float, generator) -> torch.Tensor:
-    return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+    return (torch.rand(shape, generator=generator, dtype=torch.float64, device="cpu") * 2 - 1) * bound
 
 
 def _shared(p: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -155,10 +156,13 @@ class PrefixEncoder(MegatronModule):
         super().__init__(config=config)
         g = torch.Generator().manual_seed(adapter_seed(seed, ENCODER))
         bound = 1.0 / math.sqrt(token_dim)
+        # Drawn on the host from the seeded generator (the same values on any device), then
+        # held on the rank's device like every other parameter.
+        here = dict(device=runtime.device(), dtype=dtype)
         self.embedding = _shared(torch.nn.Parameter(
-            torch.randn(n, token_dim, generator=g, dtype=torch.float64).to(dtype)))
-        self.weight = _shared(torch.nn.Parameter(_uniform((hidden, token_dim), bound, g).to(dtype)))
-        self.bias = _shared(torch.nn.Parameter(_uniform((hidden,), bound, g).to(dtype)))
+            torch.randn(n, token_dim, generator=g, dtype=torch.float64, device="cpu").to(**here)))
+        self.weight = _shared(torch.nn.Parameter(_uniform((hidden, token_dim), bound, g).to(**here)))
+        self.bias = _shared(torch.nn.Parameter(_uniform((hidden,), bound, g).to(**here)))
 
     def forward(self) -> torch.Tensor:
         return torch.tanh(F.linear(self.embedding, self.weight, self.bias))
@@ -197,15 +201,17 @@ class PrefixAttention(MegatronModule):
         part = slice(k * local, (k + 1) * local)
         g = torch.Generator().manual_seed(adapter_seed(seed, name))
         if encoder is None:  # PEFT's Embedding rows: normal(0, 1)
-            full = torch.randn(n, 2, groups, head_dim, generator=g, dtype=torch.float64)
-            self.prefix_kv = _sharded(torch.nn.Parameter(full[:, :, part].to(dtype)), 2)
+            full = torch.randn(n, 2, groups, head_dim, generator=g, dtype=torch.float64, device="cpu")
+            self.prefix_kv = _sharded(torch.nn.Parameter(
+                full[:, :, part].to(device=runtime.device(), dtype=dtype)), 2)
         else:  # PEFT's Linear(enc, L * 2 * td) init, this layer's rows
             hidden = encoder.weight.shape[0]
             bound = 1.0 / math.sqrt(hidden)
             w = _uniform((2, groups, head_dim, hidden), bound, g)[:, part]
             b = _uniform((2, groups, head_dim), bound, g)[:, part]
-            self.prefix_proj_weight = _sharded(torch.nn.Parameter(w.to(dtype)), 1)
-            self.prefix_proj_bias = _sharded(torch.nn.Parameter(b.to(dtype)), 1)
+            here = dict(device=runtime.device(), dtype=dtype)
+            self.prefix_proj_weight = _sharded(torch.nn.Parameter(w.to(**here)), 1)
+            self.prefix_proj_bias = _sharded(torch.nn.Parameter(b.to(**here)), 1)
 
     def prefix(self) -> torch.Tensor:
         """This rank's [n, 2, ng, hn] prefix keys (index 0) and values (index 1)."""

@@ -57,6 +57,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lora import runtime
 from megatron_lora.lora.prefix import register_prefix_core_attention
 from megatron_lora.models import sink_window
 
@@ -165,7 +166,8 @@ class SDPAttention(MegatronModule):
         if self.softmax_type == "learnable":
             # megatron's DotProductAttention's parameter (name, shape, init, checkpoint key).
             self.softmax_offset = torch.nn.Parameter(
-                torch.empty(self.heads_per_partition, dtype=config.params_dtype))
+                torch.empty(self.heads_per_partition, dtype=config.params_dtype,
+                            device=runtime.device()))
             if config.perform_initialization:
                 config.init_method(self.softmax_offset)
             for name, value in (("tensor_model_parallel", True), ("partition_dim", 0),

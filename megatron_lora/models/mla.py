@@ -226,7 +226,8 @@ def mla_config_kwargs(shape) -> Dict[str, object]:
 
 def _deinterleave(rope_dim: int) -> torch.Tensor:
     """[0, 2, 4, ..., 1, 3, 5, ...] over rope_dim channels (megatron's MLA de-interleave)."""
-    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    return torch.cat([torch.arange(0, rope_dim, 2, device="cpu"),
+                      torch.arange(1, rope_dim, 2, device="cpu")])
 
 
 def _permute_rope_rows(weight: torch.Tensor, lead: int, rope: int, groups: int,
@@ -250,7 +251,7 @@ def rope_row_order(mla, to_mcore: bool) -> torch.Tensor:
     (to_mcore) or de-interleaved back (not to_mcore)."""
     r = mla.qk_pos_emb_head_dim
     if mla.rope_interleaved:
-        return torch.arange(r)
+        return torch.arange(r, device="cpu")
     return torch.argsort(_deinterleave(r)) if to_mcore else _deinterleave(r)
 
 

@@ -91,7 +91,7 @@ class NF4Shard:
         self._whole()
         idx, runs = [], []
         for start, count in ranges:
-            idx.append(torch.arange(start, start + count))
+            idx.append(torch.arange(start, start + count, device="cpu"))
             first = 0
             for n, part, row0, base in self.runs:
                 lo, hi = max(start, first), min(start + count, first + n)
@@ -144,7 +144,7 @@ def _quantize(p: torch.Tensor):
         raise RuntimeError("bitsandbytes quantised with other code books than NF4's")
     m, k = p.shape
     return (packed.view(torch.uint8).reshape(m, k // 2), state.absmax.reshape(m, k // BLOCK),
-            state.state2.absmax.float(), torch.as_tensor(state.offset, dtype=torch.float32))
+            state.state2.absmax.float(), torch.as_tensor(state.offset, dtype=torch.float32, device="cpu"))
 
 
 def quantize_parts(w: torch.Tensor, segments=None) -> NF4Shard:
@@ -188,7 +188,7 @@ def code_books(device) -> Tuple[torch.Tensor, torch.Tensor]:
     if books is None:
         bnbf = _bnb()
         nf4 = bnbf.get_4bit_type("nf4", device="cpu").float()
-        byte = torch.arange(256)
+        byte = torch.arange(256, device="cpu")
         pairs = torch.stack([nf4[byte >> 4], nf4[byte & 15]], dim=1)
         dyn8 = bnbf.create_dynamic_map(signed=True).float()
         books = (pairs.to(device).contiguous(), dyn8.to(device).contiguous())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lora import runtime
+
 
 class RMSNorm(torch.nn.Module):
     """y = weight * (x * rsqrt(mean(x^2) + eps)), the normalisation computed in fp32.
@@ -35,7 +37,7 @@ class RMSNorm(torch.nn.Module):
                 f"zero_centered_gamma={zero_centered_gamma}"
             )
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=runtime.device()))
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

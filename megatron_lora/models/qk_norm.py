@@ -26,6 +26,8 @@ import torch.distributed as dist
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from megatron_lora import runtime
+
 
 class _SumOverGroup(torch.autograd.Function):
     """forward: all-reduce each token's partial sum of squares; backward: all-reduce its grad."""
@@ -77,7 +79,8 @@ class FullWidthRMSNorm(torch.nn.Module):
         self.tp_group, self.eps = tp_group, eps
         self.width = count * hidden_size  # the global width the mean runs over
         self.weight = torch.nn.Parameter(
-            torch.ones(count // tp * hidden_size, dtype=config.params_dtype))
+            torch.ones(count // tp * hidden_size, dtype=config.params_dtype,
+                       device=runtime.device()))
         # TP-sharded like a column-parallel bias (megatron's grad-norm and checkpoint code read
         # these attributes): not a TP duplicate, and its gradient needs no TP sum.
         for name, value in (("tensor_model_parallel", True), ("partition_dim", 0),

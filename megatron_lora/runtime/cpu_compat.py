@@ -54,10 +54,27 @@ _INSTALLED: Dict[str, bool] = {}
 # What each fix replaced, so tests can show that the original really fails on CPU.
 ORIGINALS: Dict[str, object] = {}
 _CPU = torch.device("cpu")
+# The device a CPU rank computes on: plain "cpu", or "cpu:0" while testing/device_check.py tells
+# the rank's device tensors from host ones (a "cpu:0" tensor is an ordinary CPU tensor).
+_RANK_DEVICE = [_CPU]
 
 
 def cuda_usable() -> bool:
     return torch.cuda.is_available()
+
+
+def rank_device() -> torch.device:
+    """What stands for this rank's CUDA device on CPU (runtime.device(), megatron's
+    torch.cuda.current_device(), any CUDA `device=` argument)."""
+    return _RANK_DEVICE[0]
+
+
+def set_rank_device(device: torch.device) -> torch.device:
+    """Make `device` (a CPU device) stand for the rank's device; returns the previous one."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"a CPU rank's device must be a CPU device, got {device}")
+    previous, _RANK_DEVICE[0] = _RANK_DEVICE[0], torch.device(device)
+    return previous
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,11 +113,11 @@ class CpuDeviceMode(TorchFunctionMode):
             name = func(*args)
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs = dict(kwargs, device=_CPU)
+            kwargs = dict(kwargs, device=rank_device())
         if kwargs.get("pin_memory"):
             kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], _CPU) + tuple(args[2:])
+            args = (args[0], rank_device()) + tuple(args[2:])
         return func(*args, **kwargs)
 
 
@@ -253,7 +270,7 @@ def install() -> Dict[str, bool]:
 
     # current_device: megatron passes torch.cuda.current_device() as a `device=` argument.
     ORIGINALS["current_device"] = torch.cuda.current_device
-    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.current_device = rank_device
     _INSTALLED["current_device"] = True
 
     # streams

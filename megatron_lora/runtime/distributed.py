@@ -43,7 +43,7 @@ def device() -> torch.device:
     """The device this rank computes on: its CUDA device on a GPU machine, else the CPU."""
     if cpu_compat.cuda_usable():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return cpu_compat.rank_device()
 
 
 def accelerator_memory_bytes() -> Optional[int]:

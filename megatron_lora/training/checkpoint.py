@@ -143,7 +143,7 @@ def _set_optimizer_state(model_sd: Dict, optimizer, loaded: Dict, iteration: int
         state = inner.state[main_p]
         for name in _ADAM_STATES:
             state[name] = loaded[f"{name}/{key}"].to(main_p.dtype)
-        state["step"] = torch.tensor(float(iteration))
+        state["step"] = torch.tensor(float(iteration), device="cpu")  # torch Adam keeps it on the host
         if main_p is not model_p:
             main_p.data.copy_(loaded[f"main_param/{key}"])
 

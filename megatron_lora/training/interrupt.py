@@ -32,7 +32,7 @@ class Progress:
     def __init__(self, iteration: int = 0):
         self.iteration = iteration
 
-    def __call__(self, iteration: int, loss: float) -> None:
+    def __call__(self, iteration: int) -> None:
         self.iteration = iteration
 
 

@@ -3,12 +3,15 @@ TensorBoard scalars, Weights & Biases, and a plot of the whole run.
 
 Scalar names are Megatron-LM's, the same everywhere (TensorBoard tags, W&B keys, metrics.jsonl
 keys): `lm loss`, `learning-rate`, `grad-norm` every iteration, `lm loss validation` at every
---eval-interval. Each logged iteration (--log-interval) adds its throughput since the last
+--eval-interval. A log line's `lm loss` is the mean of the iterations since the previous line
+(Megatron-LM's; with --log-interval 1 the iteration's own), the metrics file and TensorBoard have
+each iteration's. Each logged iteration (--log-interval) adds its throughput since the last
 logged one: `tokens/s` (target tokens), and with the step's model FLOPs known (training/flops.py)
 `tflops`, model TFLOP/s per device, and `mfu` where the device's peak is known.
 
 The history of a run is `metrics.jsonl` in its output folder (--save, else --tensorboard-dir):
-one JSON object per line, appended by rank 0 after each iteration and evaluation, each line
+one JSON object per line, appended by rank 0 for each iteration (when its loss is read: at log
+lines, evaluations and checkpoints, training/loop.py) and evaluation, each line
 written whole and flushed to disk before training goes on. A resume first drops the records
 after the iteration it resumes at (they are trained again) by replacing the file atomically,
 then appends, so `loss_curve.png`, drawn from the file at the end of every run, covers the whole
@@ -185,6 +188,7 @@ class TrainingLog:
         self._start = time.monotonic()
         self._last = self._start
         self._pending_iters, self._pending_tokens, self._excluded = 0, 0, 0.0
+        self._pending_loss = 0.0
         self._tb = None
         self._wandb = None
         self._bar = None
@@ -226,7 +230,9 @@ class TrainingLog:
             return
         self._pending_iters += 1
         self._pending_tokens += tokens
+        self._pending_loss += loss
         scalars = {LOSS: loss, LR: lr, GRAD_NORM: grad_norm}
+        shown_loss = self._pending_loss / self._pending_iters  # Megatron-LM's: the line's mean
         if log:
             now = time.monotonic()
             seconds = max(now - self._last - self._excluded, 1e-9)
@@ -234,6 +240,7 @@ class TrainingLog:
             throughput = self._throughput(seconds)
             scalars.update(throughput)
             self._last, self._pending_iters, self._pending_tokens, self._excluded = now, 0, 0, 0.0
+            self._pending_loss = 0.0
         self._record(iteration, scalars, **{"consumed samples": consumed_samples})
         if self._bar is not None:
             self._bar.update(1)
@@ -244,7 +251,7 @@ class TrainingLog:
                 f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: "
                 f"{consumed_samples:12d} | elapsed time per iteration (ms): {step_ms:.1f} | "
                 f"learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} | "
-                f"lm loss: {loss:.6E} | grad norm: {gn} | "
+                f"lm loss: {shown_loss:.6E} | grad norm: {gn} | "
                 f"tokens/s: {throughput[TOKENS_PER_S]:.0f} | {_shown_flops(throughput)}"
                 f"elapsed: {now - self._start:.1f} s |")
 

@@ -4,10 +4,18 @@
 after apply_lora). The same run gives the same losses and the same trained parameters at any
 parallel layout: batches are global and replicated, the loss is the mean over every target token
 of the global batch, and gradients are summed over data-parallel ranks (training/step.py).
+
+Device: each global batch is made on the host and crosses to the rank's device in one place
+(`_on_device`). The losses stay on the device until a log line, a validation, a checkpoint or
+the end, where the pending iterations' losses are read in one host read (`_Pending`): an
+iteration reads nothing on the host but what megatron's optimizer reads (its gradient norm).
+A non-finite loss or gradient norm stops the run (TrainingDiverged) at the first point it is
+read: the gradient norm every iteration (when clipping), the loss at those reads.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,7 +25,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_lora.data.batches import PackedDataset
+from megatron_lora import runtime
+from megatron_lora.data.batches import Batch, PackedDataset
 from megatron_lora.training import checkpoint as ckpt
 from megatron_lora.training import resume
 from megatron_lora.training.flops import step_throughput
@@ -27,7 +36,45 @@ from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
 from megatron_lora.training.resume import ResumeMismatchError
 from megatron_lora.training.step import forward_backward
 
-__all__ = ["ResumeMismatchError", "RunConfig", "TrainResult", "train", "evaluate"]
+__all__ = ["ResumeMismatchError", "RunConfig", "TrainResult", "TrainingDiverged", "train",
+           "evaluate"]
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss or the gradient norm of an iteration is NaN or infinite (every rank raises it at
+    the same point: both are the same on every rank). Nothing is saved after it."""
+
+    def __init__(self, iteration: int, what: str, value: float, last_saved: Optional[str]):
+        self.iteration = iteration
+        saved = (f"the last checkpoint is {last_saved}" if last_saved else
+                 "no checkpoint was saved")
+        super().__init__(f"iteration {iteration}: the {what} is {value}; training stopped "
+                         f"({saved}). Lower --lr, check the data, or train in fp32 to find "
+                         f"the cause")
+
+
+def _on_device(batch: Batch) -> Batch:
+    """The one place a global batch crosses from the host to the rank's device."""
+    return batch.to(runtime.device())
+
+
+class _Pending:
+    """Iterations trained since the last host read of their losses (device scalars)."""
+
+    def __init__(self):
+        self.items: List[tuple] = []
+
+    def add(self, iteration: int, loss: torch.Tensor, **fields) -> None:
+        self.items.append((iteration, loss, fields))
+
+    def read(self) -> List[tuple]:
+        """[(iteration, loss as a float, fields)], emptied; one host read for all of them."""
+        if not self.items:
+            return []
+        values = torch.stack([loss.detach().float() for _, loss, _ in self.items]).tolist()
+        out = [(it, value, fields) for (it, _, fields), value in zip(self.items, values)]
+        self.items = []
+        return out
 
 
 @dataclass(frozen=True)
@@ -123,7 +170,7 @@ def train(
     load: Optional[str] = None,
     eval_dataset: Optional[PackedDataset] = None,
     stop_after: Optional[int] = None,
-    on_iteration: Optional[Callable[[int, float], None]] = None,
+    on_iteration: Optional[Callable[[int], None]] = None,
     model_shape=None,
     lora_config=None,
 ) -> TrainResult:
@@ -131,7 +178,9 @@ def train(
     checkpoint). `run_metadata` (plain data, e.g. the LoRA config) is saved with checkpoints and
     must match on resume. `stop_after` ends the loop early at that iteration (as a crash would).
     `model_shape` (a ModelShape) and `lora_config` (None: full fine-tuning) make the log report
-    model TFLOP/s (training/flops.py); without `model_shape` it reports tokens/s only."""
+    model TFLOP/s (training/flops.py); without `model_shape` it reports tokens/s only.
+    `on_iteration(iteration)` is called after each iteration's optimizer step. Raises
+    TrainingDiverged on a non-finite loss or gradient norm (module docstring)."""
     problems = run.batch_problems(parallel_state.get_data_parallel_world_size())
     if problems:
         raise ValueError("; ".join(problems))
@@ -179,38 +228,60 @@ def train(
     last_saved = None
     if iteration and source == run.save:
         last_saved = ckpt.iteration_dir(run.save, iteration)
+    pending = _Pending()
+
+    def read_pending(log_line: bool) -> None:
+        """Read the pending losses (one host read), check them, record them (collective-free:
+        every rank reads the same values)."""
+        items = pending.read()
+        for k, (it, value, fields) in enumerate(items):
+            if not math.isfinite(value):
+                raise TrainingDiverged(it, "loss", value, last_saved)
+            losses[it] = value
+            log.iteration(it, loss=value, log=log_line and k == len(items) - 1, **fields)
+
     while iteration < run.train_iters:
-        batch = dataset.batch(consumed, run.global_batch_size)
+        host_batch = dataset.batch(consumed, run.global_batch_size)
+        tokens = int(host_batch.loss_mask.sum())  # host memory: no device read
+        batch = _on_device(host_batch)
         for chunk in wrapped:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         loss = forward_backward(wrapped, batch.tokens, batch.labels, batch.loss_mask,
                                 batch.attention_mask, micro_batch_size=run.micro_batch_size,
                                 iteration=iteration + 1)
-        ok, grad_norm, _ = optimizer.step()
+        ok, grad_norm, _ = optimizer.step()  # megatron reads the gradient norm on the host
         if not ok:
             raise FloatingPointError(f"iteration {iteration + 1}: optimizer step skipped "
                                      f"(non-finite gradients, grad norm {grad_norm})")
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            raise TrainingDiverged(iteration + 1, "gradient norm", grad_norm, last_saved)
         scheduler.step(increment=1)  # warmup and decay are counted in iterations
         iteration += 1
         consumed += run.global_batch_size
-        losses[iteration] = float(loss)
+        pending.add(iteration, loss, lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
+                    tokens=tokens, consumed_samples=consumed,
+                    global_batch_size=run.global_batch_size)
         if on_iteration is not None:
-            on_iteration(iteration, float(loss))
-        log.iteration(iteration, loss=float(loss), lr=optimizer.param_groups[0]["lr"],
-                      grad_norm=grad_norm, tokens=int(batch.loss_mask.sum()),
-                      consumed_samples=consumed, global_batch_size=run.global_batch_size,
-                      log=iteration % run.log_interval == 0 or iteration == run.train_iters)
-        if eval_dataset is not None and run.eval_interval and iteration % run.eval_interval == 0:
+            on_iteration(iteration)
+        log_line = iteration % run.log_interval == 0 or iteration == run.train_iters
+        evaluating = (eval_dataset is not None and run.eval_interval
+                      and iteration % run.eval_interval == 0)
+        saving = bool(run.save and run.save_interval and iteration % run.save_interval == 0)
+        stopping = stop_after is not None and iteration >= stop_after
+        if log_line or evaluating or saving or stopping:
+            read_pending(log_line)
+        if evaluating:
             validation[iteration] = evaluate(wrapped, eval_dataset, run)  # collective
             log.validation(iteration, validation[iteration])
-        if run.save and run.save_interval and iteration % run.save_interval == 0:
-            saving = time.monotonic()
+        if saving:
+            started = time.monotonic()
             last_saved = _save(run, iteration, consumed, wrapped, optimizer, scheduler,
                                layout_name, run_metadata)
-            log.exclude(time.monotonic() - saving)
-        if stop_after is not None and iteration >= stop_after:
+            log.exclude(time.monotonic() - started)
+        if stopping:
             break
+    read_pending(False)  # none left unless the loop ended between reads
     finished = iteration == run.train_iters
     if run.save and finished and last_saved != ckpt.iteration_dir(run.save, iteration):
         last_saved = _save(run, iteration, consumed, wrapped, optimizer, scheduler,
@@ -234,10 +305,10 @@ def _save(run, iteration, consumed, wrapped, optimizer, scheduler, layout_name, 
 @torch.no_grad()
 def evaluate(wrapped, dataset: PackedDataset, run: RunConfig) -> float:
     """Mean token loss over run.eval_iters global batches of `dataset` (from its start)."""
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float32, device=runtime.device())
     for k in range(run.eval_iters):
-        batch = dataset.batch(k * run.global_batch_size, run.global_batch_size)
-        total += float(forward_backward(wrapped, batch.tokens, batch.labels, batch.loss_mask,
-                                        batch.attention_mask, micro_batch_size=run.micro_batch_size,
-                                        forward_only=True))
-    return total / run.eval_iters
+        batch = _on_device(dataset.batch(k * run.global_batch_size, run.global_batch_size))
+        total += forward_backward(wrapped, batch.tokens, batch.labels, batch.loss_mask,
+                                  batch.attention_mask, micro_batch_size=run.micro_batch_size,
+                                  forward_only=True)
+    return float(total) / run.eval_iters  # one host read per evaluation

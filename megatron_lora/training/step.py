@@ -1,9 +1,12 @@
 """One forward/backward pass of a GPT model over a batch, through megatron-core's schedules.
 
-The batch is global ([B, S] token ids, identical on every rank); each data-parallel rank takes its
-contiguous slice of B, and the slice is split into micro-batches that megatron's schedule
-(no-pipelining, or 1F1B under PP) feeds through the model. The loss is the mean over every
-unmasked token of the global batch, whatever the layout.
+The batch is global ([B, S] token ids, identical on every rank, on the rank's device); each
+data-parallel rank takes its contiguous slice of B, and the slice is split into micro-batches that
+megatron's schedule (no-pipelining, or 1F1B under PP) feeds through the model. The loss is the mean
+over every unmasked token of the global batch, whatever the layout.
+
+Nothing here reads a device value on the host: the global token count is the replicated batch's
+own sum (no collective), and the returned loss is a device scalar.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_lora import runtime
 from megatron_lora.lora.dropout import clear_micro_batch_key, set_micro_batch_key
 from megatron_lora.runtime.distributed import data_parallel_slice
 from megatron_lora.runtime.rng import run_seed
 
 
-def _loss_func(loss_mask: torch.Tensor, global_tokens: float, output_tensor: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, global_tokens: torch.Tensor,
+               output_tensor: torch.Tensor):
     # Backward starts from (sum of this micro-batch's token losses) / (tokens in the global
     # batch): summed over micro-batches and DP ranks that is the gradient of the global mean.
     # calculate_per_token_loss=True stops the schedule from dividing by num_microbatches again.
@@ -32,7 +37,7 @@ def _loss_func(loss_mask: torch.Tensor, global_tokens: float, output_tensor: tor
     return total / global_tokens, count.to(torch.int), report
 
 
-def _forward_step(global_tokens: float, iteration: int, data_iterator, model):
+def _forward_step(global_tokens: torch.Tensor, iteration: int, data_iterator, model):
     tokens, labels, loss_mask, attention_mask, micro_batch = next(data_iterator)
     # On every stage, before this micro-batch's forward: its LoRA dropout key (lora/dropout.py).
     set_micro_batch_key(run_seed(), iteration, micro_batch)
@@ -72,17 +77,22 @@ def forward_backward(
 ) -> torch.Tensor:
     """Run forward (and backward) over this DP rank's share of the global batch.
 
-    tokens, labels, loss_mask: [B, S], the global batch, replicated on every rank.
+    tokens, labels, loss_mask: [B, S], the global batch, replicated on every rank, on the
+    rank's device (training/loop.py moves it there).
     attention_mask: optional [B, 1, S, S] bool, True = masked (packed samples); None = causal.
     Gradients accumulate into `.grad` (or megatron DDP's main_grad) scaled so that they are the
     gradient of (sum of this DP rank's token losses) / (tokens in the global batch); summing them
     over DP gives the gradient of the global mean loss.
-    Returns the global mean token loss (a float32 scalar), identical on every rank.
+    Returns the global mean token loss (a float32 scalar on the rank's device), identical on
+    every rank.
     LoRA dropout masks are keyed by (run seed, `iteration`, global micro-batch index, adapter),
     so the same global batch drops the same elements at every layout.
     """
     if loss_mask is None:
         loss_mask = torch.ones_like(tokens, dtype=torch.float32)
+    # The batch is the same on every rank, so its token count is the global one: no collective,
+    # no host read (a [] float32 tensor on the batch's device).
+    global_tokens = loss_mask.sum(dtype=torch.float32)
     tokens, labels, loss_mask = (data_parallel_slice(t) for t in (tokens, labels, loss_mask))
     if attention_mask is not None:
         attention_mask = data_parallel_slice(attention_mask)
@@ -108,7 +118,6 @@ def forward_backward(
             "forward_backward needs TransformerConfig.calculate_per_token_loss=True "
             "(megatron_lora.models.gpt.transformer_config sets it)"
         )
-    global_tokens = _global_count(loss_mask)
     forward_backward_func = get_forward_backward_func()
     try:
         reduced = forward_backward_func(
@@ -125,15 +134,10 @@ def forward_backward(
     return _global_mean(reduced)
 
 
-def _global_count(local_mask: torch.Tensor) -> float:
-    counts = torch.tensor([float(local_mask.sum())])
-    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-    return float(counts.item())
-
-
 def _global_mean(reduced: List[dict]) -> torch.Tensor:
-    """Sum (loss, count) over micro-batches, then over DP; broadcast from the last PP stage."""
-    pair = torch.zeros(2, dtype=torch.float32)
+    """Sum (loss, count) over micro-batches, then over DP; broadcast from the last PP stage.
+    A [] float32 tensor on the rank's device (the collectives are NCCL's on a GPU)."""
+    pair = torch.zeros(2, dtype=torch.float32, device=runtime.device())
     if parallel_state.is_pipeline_last_stage():
         for item in reduced:
             pair += item["loss_sum_and_count"].float()

@@ -76,7 +76,7 @@ def test_extending_a_finished_run(tmp_path, layout=ParallelLayout()):
     after = {}
     with _recorded() as (lrs, messages):
         result = train([model], S.dataset(), S.run_config(save, iters=6), _optim(6),
-                       on_iteration=lambda it, _: after.setdefault(it, _trainable(model)), **kw)
+                       on_iteration=lambda it: after.setdefault(it, _trainable(model)), **kw)
     assert sorted(result.losses) == [5, 6]
     assert lrs[6] == pytest.approx(_cosine(5, 1, 6), rel=1e-6) and lrs[6] > 0.05 * LR
     assert isinstance(result, TrainResult) and result.start_iteration == 4

@@ -177,7 +177,7 @@ def _reseeded_run(directory, layout, lora, variant):
     before iteration 1 and after every iteration; the run seed (dropout keys) unchanged."""
     return _run(directory, layout=layout, lora=lora, variant=variant,
                 before=lambda: seed_generators(777),
-                on_iteration=lambda it, _: seed_generators(1000 + it))
+                on_iteration=lambda it: seed_generators(1000 + it))
 
 
 def _differences(first, second):
@@ -196,7 +196,7 @@ def _independence(directory, cases, layout):
         def record():
             start.update(_generator_states())
 
-        def check(it, _):
+        def check(it):
             moved.update(f"{m} (iteration {it})" for m in _moved(start, _generator_states()))
 
         plain = _run(directory, layout=layout, lora=lora, variant=variant, before=record,

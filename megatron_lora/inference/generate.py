@@ -92,16 +92,17 @@ def generate(model: torch.nn.Module, prompt_ids: List[int], config: SamplingConf
     context = static_kv_cache(1, len(prompt_ids) + config.max_new_tokens + pad)
     chooser = _chooser_rank()
     choose_here = dist.get_rank() == chooser
-    generator = generator or torch.Generator().manual_seed(config.seed)
+    generator = generator or torch.Generator(device="cpu").manual_seed(config.seed)
     out: List[int] = []
     chunk, offset = list(prompt_ids), 0
     for _ in range(config.max_new_tokens):
         logits = _forward(model, context, chunk, offset, tp_pad, vocab_size)
-        token = torch.tensor([next_token(logits, config, generator) if choose_here else -1],
-                             device=runtime_device())
+        # One host read per token on every rank: the chooser's choice, the others' broadcast.
+        chosen = next_token(logits, config, generator) if choose_here else -1
+        token = torch.tensor([chosen], dtype=torch.int64, device=runtime_device())
         dist.broadcast(token, src=chooser)
         offset += len(chunk)
-        chunk = [int(token)]
+        chunk = [chosen if choose_here else int(token)]
         out.append(chunk[0])
         if chunk[0] == eos_id:
             break

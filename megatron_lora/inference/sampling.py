@@ -60,8 +60,10 @@ def sampling_scores(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
 
 def next_token(logits: torch.Tensor, config: SamplingConfig,
                generator: torch.Generator) -> int:
-    """logits: [vocab] (the full vocabulary, fp32, one position). Returns the chosen id."""
+    """logits: [vocab] (the full vocabulary, fp32, one position, on any device). Returns the
+    chosen id (one host read). Draws come from `generator`, a host generator, so a seed gives
+    the same draws on any device: the probabilities cross to the host to be drawn from."""
     if config.greedy:
         return int(torch.argmax(logits))
     probs = sampling_scores(logits, config).softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs.to("cpu"), 1, generator=generator))

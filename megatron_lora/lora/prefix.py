@@ -117,7 +117,10 @@ class PrefixRotary(torch.nn.Module):
         positions = state.positions
         if positions is None or positions.shape[-1] != max_seq_len:
             return self.base_layer(max_seq_len, offset + state.n, *args, **kwargs)
-        table = self.base_layer(int(positions.max()) + 1, offset + state.n, *args, **kwargs)
+        # Packed positions restart at each sample, so they are below max_seq_len: the table of
+        # max_seq_len rows holds them all (a row does not depend on the table's length), and no
+        # host read of positions.max() is needed.
+        table = self.base_layer(max_seq_len, offset + state.n, *args, **kwargs)
         emb = table[:, 0, 0][positions.to(table.device)]  # [b, s, dim]
         return emb.transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]
 

@@ -7,11 +7,12 @@ step pass every CPU test. While a `DeviceCheck` is active:
 
 - the rank's device is `cpu:0` (runtime.device() and megatron's torch.cuda.current_device(),
   runtime/cpu_compat.py), and every CUDA device argument means it; host memory is plain `cpu`.
-  A storage is host memory when it was made by a factory without a device or with "cpu",
-  `from_numpy`, `.cpu()` / `.to("cpu")`, or by an op whose tensor inputs are all host tensors;
-  every other storage (the model's parameters, what ops on them make) is device memory.
-- `Tensor.device` answers `cpu:0` for device tensors and `cpu` for host ones, so the package's own
-  placement checks and `device=x.device` factories behave as on a GPU.
+  A storage is device memory when a factory made it with the rank's device, a move put it there
+  (`.to(device)`, `.cuda()`) or an op with a device tensor among its inputs made it (the
+  model's parameters, activations, what the step makes from them); every other storage (data
+  made by the package on the host, files read by safetensors or torch.load) is host memory.
+- `Tensor.device` answers `cpu:0` for device tensors and `cpu` for host ones (outside torch's own
+  code), so placement checks and `device=x.device` factories behave as on a GPU.
 - an op that mixes a host tensor of one or more dimensions with a device tensor raises
   DeviceCheckError, as CUDA does ("Expected all tensors to be on the same device"); copies
   (`to`, `copy_`) and indexing with host indices are allowed, as on CUDA; 0-dim host tensors
@@ -26,7 +27,7 @@ step pass every CPU test. While a `DeviceCheck` is active:
   site and the training step it belongs to (`steps`, counted by calls of the training step).
 
 Not seen: code that autograd's engine runs during backward (torch applies no TorchFunctionMode
-there), tensors made outside torch's Python API (safetensors, torch.load: device memory here).
+there; megatron's DDP hooks copy the gradients it makes into device buffers).
 
 `python -m megatron_lora.testing.device_check REPORT.json [--setup MOD:FN] -- CMD ... [--then
 CMD ...]` runs `megatron-lora` commands in one process under the check and writes what it saw.
@@ -47,7 +48,8 @@ from torch.overrides import TorchFunctionMode
 
 RANK = torch.device("cpu", 0)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SKIP_FRAMES = (os.path.dirname(torch.__file__), os.path.abspath(__file__),
+_TORCH = os.path.dirname(torch.__file__)
+_SKIP_FRAMES = (_TORCH, os.path.abspath(__file__),
                 os.path.join(_PACKAGE, "runtime", "cpu_compat.py"))
 
 _FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full,
@@ -115,6 +117,8 @@ def _tensors(obj, out: list, depth: int = 0) -> list:
 
 
 def _storage(t: torch.Tensor):
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # a subclass with ops of its own (torch's ShardedTensor): not looked into
     if t.is_meta:
         return None
     try:
@@ -142,7 +146,7 @@ class DeviceCheck(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self._host = weakref.WeakSet()  # storages in host memory
+        self._device = weakref.WeakSet()  # storages in the rank's device memory
         self._host_groups = weakref.WeakSet()
         self.errors: List[str] = []
         self.reads: List[HostRead] = []
@@ -152,15 +156,18 @@ class DeviceCheck(TorchFunctionMode):
         self._previous_rank = None
 
     # ---- memory kinds ----------------------------------------------------------------------
-    def is_host(self, t: torch.Tensor) -> bool:
+    def is_device(self, t: torch.Tensor) -> bool:
         s = _storage(t)
-        return s is not None and s in self._host
+        return s is not None and s in self._device
 
-    def _mark_host(self, result) -> None:
+    def is_host(self, t: torch.Tensor) -> bool:
+        return _storage(t) is not None and not self.is_device(t)
+
+    def _mark_device(self, result) -> None:
         for t in _tensors(result, []):
             s = _storage(t)
             if s is not None:
-                self._host.add(s)
+                self._device.add(s)
 
     def _fail(self, message: str) -> None:
         text = f"{message} (at {_caller(3)})"
@@ -173,10 +180,11 @@ class DeviceCheck(TorchFunctionMode):
         if _is_descriptor(func, torch.Tensor.device, "__get__"):
             t = args[0]
             real = func(*args, **kwargs)
-            return real if real.type != "cpu" else (torch.device("cpu") if self.is_host(t)
-                                                    else RANK)
+            if real.type != "cpu" or sys._getframe(1).f_code.co_filename.startswith(_TORCH):
+                return real  # torch's own code (distributed checkpoints) sees plain "cpu"
+            return RANK if self.is_device(t) else torch.device("cpu")
         if func in _READS:
-            if not self.is_host(args[0]) and not args[0].is_meta:
+            if self.is_device(args[0]):
                 self.reads.append(HostRead(_caller(), func.__name__, self.step, self.command))
             return func(*args, **kwargs)
         if func in _FACTORIES or func in _ALWAYS_HOST:
@@ -184,42 +192,39 @@ class DeviceCheck(TorchFunctionMode):
         if func in _LIKE or func in _NEW:
             where = _is_rank_device(kwargs.get("device"))
             result = func(*args, **kwargs)
-            if where is False or (where is None and self.is_host(args[0])):
-                self._mark_host(result)
+            if where or (where is None and self.is_device(args[0])):
+                self._mark_device(result)
             return result
         if func in (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda,
                     torch.Tensor.pin_memory):
             return self._move(func, args, kwargs)
         inputs = _tensors(args, []) + _tensors(kwargs, [])
-        host = [t for t in inputs if self.is_host(t)]
-        device = [t for t in inputs if not t.is_meta and not self.is_host(t)]
-        if host and device and func not in _CROSSING and not _is_descriptor(
+        device = [t for t in inputs if self.is_device(t)]
+        if device and func not in _CROSSING and not _is_descriptor(
                 func, torch.Tensor.data, "__set__"):
+            host = [t for t in inputs if self.is_host(t)]
             wide = [t for t in host if t.dim() > 0]
-            inplace = getattr(func, "__name__", "").endswith("_") and self.is_host(inputs[0])
+            inplace = (getattr(func, "__name__", "").endswith("_") and inputs
+                       and self.is_host(inputs[0]))
             if wide or inplace:
                 self._fail(f"{getattr(func, '__name__', func)} mixes host tensors "
                            f"{[tuple(t.shape) for t in host]} with device tensors "
                            f"{[tuple(t.shape) for t in device][:4]}: on a GPU, 'Expected all "
                            f"tensors to be on the same device'")
         result = func(*args, **kwargs)
-        if host and not device:
-            self._mark_host(result)
+        if device:
+            self._mark_device(result)
         return result
 
     def _factory(self, func, args, kwargs):
-        where = _is_rank_device(kwargs.get("device"))
-        if func in _ALWAYS_HOST:
-            where = False
-        elif "device" not in kwargs:
+        if func not in _ALWAYS_HOST and "device" not in kwargs:
             site = _caller()
             if site.startswith(_PACKAGE) and not site.startswith(os.path.abspath(__file__)):
                 self._fail(f"torch.{func.__name__} without a device in package code: say "
                            f"device=runtime.device() for the rank's device, 'cpu' for host memory")
-            where = False
         result = func(*args, **kwargs)
-        if where is False:
-            self._mark_host(result)
+        if func not in _ALWAYS_HOST and _is_rank_device(kwargs.get("device")):
+            self._mark_device(result)
         return result
 
     def _move(self, func, args, kwargs):
@@ -229,23 +234,24 @@ class DeviceCheck(TorchFunctionMode):
         elif func in (torch.Tensor.cpu, torch.Tensor.pin_memory):
             to_rank = False
         elif len(args) > 1 and isinstance(args[1], torch.Tensor):
-            to_rank = not self.is_host(args[1])
+            to_rank = self.is_device(args[1])
         else:
-            target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            given = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to refuses it
+            target = torch._C._nn._parse_to(*args[1:], **given)[0]
             to_rank = _is_rank_device(target)
             if to_rank is None:  # a dtype change: same memory kind
                 result = func(*args, **kwargs)
-                if self.is_host(source):
-                    self._mark_host(result)
+                if self.is_device(source):
+                    self._mark_device(result)
                 return result
-        was_host = self.is_host(source)
-        if not to_rank and not was_host and not source.is_meta:
+        on_device = self.is_device(source)
+        if not to_rank and on_device:
             self.reads.append(HostRead(_caller(), func.__name__, self.step, self.command))
         result = func(*args, **kwargs)
-        if was_host != (not to_rank) and _storage(result) is _storage(source):
+        if on_device != to_rank and _storage(result) is _storage(source):
             result = result.clone()  # a real move copies; on CPU torch hands back the source
-        if not to_rank:
-            self._mark_host(result)
+        if to_rank:
+            self._mark_device(result)
         return result
 
     # ---- collectives -----------------------------------------------------------------------

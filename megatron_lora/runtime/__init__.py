@@ -8,6 +8,7 @@ from megatron_lora.runtime.distributed import (
     device,
     init_process_group,
     initialize,
+    misplaced,
     shutdown,
 )
 from megatron_lora.runtime.layout import LayoutError, ParallelLayout
@@ -22,5 +23,6 @@ __all__ = [
     "device",
     "init_process_group",
     "initialize",
+    "misplaced",
     "shutdown",
 ]

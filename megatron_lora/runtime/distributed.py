@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,13 @@ def device() -> torch.device:
     if cpu_compat.cuda_usable():
         return torch.device("cuda", torch.cuda.current_device())
     return cpu_compat.rank_device()
+
+
+def misplaced(module: torch.nn.Module) -> List[str]:
+    """Names of `module`'s parameters not on this rank's device (meta ones, not yet loaded,
+    aside)."""
+    here = device()
+    return [name for name, p in module.named_parameters() if not p.is_meta and p.device != here]
 
 
 def accelerator_memory_bytes() -> Optional[int]:

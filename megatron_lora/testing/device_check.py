@@ -89,6 +89,7 @@ class HostRead:
     what: str  # the Tensor method
     step: int  # training steps begun before it (0: before the first)
     command: int  # index of the command (the driver's --then list)
+    setup: bool  # before the command's first training step (building, loading)
 
     @property
     def in_package(self) -> bool:
@@ -152,6 +153,7 @@ class DeviceCheck(TorchFunctionMode):
         self.reads: List[HostRead] = []
         self.step = 0
         self.command = 0
+        self._command_start = 0
         self._patched: Dict[tuple, object] = {}
         self._previous_rank = None
 
@@ -169,6 +171,13 @@ class DeviceCheck(TorchFunctionMode):
             if s is not None:
                 self._device.add(s)
 
+    def start_command(self, index: int) -> None:
+        self.command, self._command_start = index, self.step
+
+    def _read(self, func) -> HostRead:
+        return HostRead(_caller(3), func.__name__, self.step, self.command,
+                        self.step == self._command_start)
+
     def _fail(self, message: str) -> None:
         text = f"{message} (at {_caller(3)})"
         self.errors.append(text)
@@ -185,7 +194,7 @@ class DeviceCheck(TorchFunctionMode):
             return RANK if self.is_device(t) else torch.device("cpu")
         if func in _READS:
             if self.is_device(args[0]):
-                self.reads.append(HostRead(_caller(), func.__name__, self.step, self.command))
+                self.reads.append(self._read(func))
             return func(*args, **kwargs)
         if func in _FACTORIES or func in _ALWAYS_HOST:
             return self._factory(func, args, kwargs)
@@ -246,7 +255,7 @@ class DeviceCheck(TorchFunctionMode):
                 return result
         on_device = self.is_device(source)
         if not to_rank and on_device:
-            self.reads.append(HostRead(_caller(), func.__name__, self.step, self.command))
+            self.reads.append(self._read(func))
         result = func(*args, **kwargs)
         if on_device != to_rank and _storage(result) is _storage(source):
             result = result.clone()  # a real move copies; on CPU torch hands back the source
@@ -380,13 +389,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             module, fn = spec.split(":")
             getattr(importlib.import_module(module), fn)()
         for index, command in enumerate(commands):
-            check.command = index
+            check.start_command(index)
             os.environ["MASTER_PORT"] = str(_free_port())
             try:
                 code = cli.main(command)
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
-            except DeviceCheckError:
+            except Exception as exc:  # noqa: BLE001 - the report must be written
+                import traceback
+
+                traceback.print_exc()
+                check.errors.append(f"command {index} raised {type(exc).__name__}: {exc}")
                 code = 1
             codes.append(code)
     with open(opts.report, "w") as f:

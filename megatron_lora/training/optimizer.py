@@ -24,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_lora import runtime
 from megatron_lora.runtime.versions import filter_expert_duplicates_over_expert_tp
 from megatron_lora.training.step import finalize_pre_normalised_grads
 
@@ -91,6 +92,10 @@ def wrap_for_training(
     distributed = optim.use_distributed_optimizer
     if not any(p.requires_grad for m in model_chunks for p in m.parameters()):
         raise ValueError("the model has no trainable parameters")
+    misplaced = [name for m in model_chunks for name in runtime.misplaced(m)]
+    if misplaced:  # megatron's DDP would refuse them with the tensor's type name only
+        raise RuntimeError(f"parameters not on this rank's device {runtime.device()}: "
+                           f"{', '.join(misplaced[:8])}{' ...' if len(misplaced) > 8 else ''}")
     fp16, bf16, half = trainable_precision(model_chunks)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=distributed,

@@ -72,12 +72,14 @@ def build_base(info, config, *, hf=None, load: Optional[str] = None,
     precision and then quantize_base."""
     from megatron_lora import runtime
     from megatron_lora.models.build import build_model
+    from megatron_lora.models.describe import announce
 
     if base_quantization != "nf4":
         from megatron_lora.convert.load import load_hf, load_mcore
 
         model = build_model(info, config, **build)
         model.to(runtime.device())
+        announce(model)
         if hf is not None:
             load_hf(model, info, hf)
         else:
@@ -89,5 +91,6 @@ def build_base(info, config, *, hf=None, load: Optional[str] = None,
     with deferred_decoder_linears():
         model = build_model(info, config, **build)
     to_device_(model, runtime.device())
+    announce(model)
     load_nf4(model, info, hf=hf, directory=None if hf is not None else load)
     return model

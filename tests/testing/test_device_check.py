@@ -113,6 +113,9 @@ def test_every_command_runs_as_on_a_gpu(clean_run):
     failed = [" ".join(c[:2]) for c, code in zip(commands, result["exit_codes"]) if code]
     assert not failed, f"commands that failed: {failed}\n{out[-4000:]}"
     assert result["steps"] == 4 + 2 + 4 + 4 + 2 + 2 + 2 + 2 + 2
+    # What the run computes with, said once per process (models/describe.py).
+    banner = [line for line in out.splitlines() if line.startswith("megatron-lora: cpu")]
+    assert len(banner) == 1 and "gloo" in banner[0] and "experts: " in banner[0], banner
 
 
 def _package_reads(result, command):

@@ -22,15 +22,15 @@ own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward
                 model is built; the peak memory is reset after that, so it is the step's)
 --modes NAME ... times only those modes (default: all of the shape's).
 --shape qwen3-30b-a3b builds 2 layers of Qwen3-30B-A3B instead (h 2048, 32 heads of 128 / 4 KV
-groups, per-head q/k RMSNorm, 128 experts top-8 of ffn 768, vocab 151936) and times the modes
-frozen, lora, full, lora_sequential and frozen_sequential (the MoE layer is where grouped experts
-must pay: 128 small GEMMs per weight in the sequential loop).
+groups, per-head q/k RMSNorm, 128 experts top-8 of ffn 768, vocab 151936) and times every mode
+(the MoE layer is where grouped experts must pay: 128 small GEMMs per weight in the sequential
+loop).
 --shape deepseek-v3 builds 2 MoE layers of DeepSeek-V3 (h 7168; multi-latent attention: 128
 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128 + rope 64 per query/key head, v 128, YaRN
 factor 40 over 4096; 256 routed experts top-8 of ffn 2048, sigmoid scores with the expert bias,
 8 groups of which 4 are kept, scaling 2.5, one shared expert of 2048; vocab 129280), about 25 B
-parameters (50 GB in bf16), and times frozen and lora (LoRA r=16 on linear_qkv, i.e. each MLA
-q/kv down and up projection, linear_proj and every fc1/fc2, routed and shared); full
+parameters (50 GB in bf16), and times frozen, lora (LoRA r=16 on linear_qkv, i.e. each MLA
+q/kv down and up projection, linear_proj and every fc1/fc2, routed and shared) and dora; full
 fine-tuning of 25 B parameters (fp32 master weights and Adam: 16 bytes each) does not fit one
 GPU.
 Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
@@ -44,13 +44,18 @@ weights get no weight gradient); frozen 4 N + attention. N = the base linears a 
 (causal half). MFU = model TFLOP/s / the device's dense bf16 peak (the table in
 training/flops.py; --peak-tflops overrides it; none on CPU).
 
+Then, in the same run, the peer users would pick instead: Hugging Face transformers + PEFT at the
+same shapes (benchmarks/gpu/peer.py: frozen, PEFT LoRA r=16 on q/k/v/o plus `target_parameters`
+on the fused expert tensors, full; --no-peer skips it; DeepSeek-V3 has none).
+
 Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, flops_per_token,
 model_tflops, mfu (null without a peak), peak_memory_bytes, trainable_parameters and parameters
 (the elements of model.parameters()) (qlora also nf4_linears and
 nf4_bytes_per_parameter, the bytes its NF4 linears hold per parameter they stand for);
 lora_over_frozen, lora_over_full, dora_over_lora, prefix_over_lora and qlora_over_lora (step-time
-ratios; null when a mode was not timed), grouped_over_sequential_lora and _frozen; the shape;
-seconds. The qlora mode's FLOPs are lora's: dequantising the base is not model work. Designed to finish well inside 8
+ratios; null when a mode was not timed), grouped_over_sequential_lora and _frozen; peer (the
+peer's modes, or null) and lora_over_peft_lora, frozen_over_peft_frozen, full_over_peft_full; the
+shape; seconds. The qlora mode's FLOPs are lora's: dequantising the base is not model work. Designed to finish well inside 8
 minutes on an H200 (model builds dominate).
 """
 
@@ -96,7 +101,9 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 # Which modes each shape times (mode, grouped experts); qlora is added by --base-quantization nf4.
 ALL_MODES = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
              ("lora", False), ("frozen", False)]
-SHAPE_MODES = {"qwen3-30b-a3b": ("frozen", "lora", "full"), "deepseek-v3": ("frozen", "lora")}
+# DeepSeek-V3's 25 B parameters leave no room for full fine-tuning (16 bytes each) on one GPU;
+# prefix tuning is not built for multi-latent attention.
+SHAPE_MODES = {"deepseek-v3": ("frozen", "lora", "dora")}
 
 
 def shape_modes(name: str) -> list:
@@ -240,6 +247,9 @@ def main(argv=None) -> int:
                         help="nf4: also time qlora, LoRA on an NF4 base (needs bitsandbytes)")
     parser.add_argument("--modes", nargs="+", default=None,
                         help="time only these modes (default: all of the shape's)")
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="skip timing Hugging Face transformers + PEFT at the same shapes "
+                             "(benchmarks/gpu/peer.py)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="one device's peak for MFU (default: the device's dense bf16 peak "
                              "from training/flops.py; none on CPU)")
@@ -270,8 +280,7 @@ def main(argv=None) -> int:
         shape = dict(shape, ffn_hidden_size=128,
                      **({"kv_channels": 32} if "kv_channels" in shape else {}))
     shape = dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], args.seq))
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if device.type == "cpu" and not args.tiny:
+    if not torch.cuda.is_available() and not args.tiny:
         raise SystemExit("benchmarks/gpu/check.py: no CUDA device; use --tiny for the CPU "
                          "smoke test")
     os.environ.setdefault("RANK", "0")
@@ -283,6 +292,7 @@ def main(argv=None) -> int:
     from megatron_lora.runtime import ParallelLayout
 
     runtime.initialize(ParallelLayout(), seed=1234)
+    device = runtime.device()  # the rank's GPU (the CPU for --tiny without one)
     if args.peak_tflops is None and device.type == "cuda":
         from megatron_lora.training.flops import bf16_peak_tflops
 
@@ -308,7 +318,24 @@ def main(argv=None) -> int:
               f"{r['model_tflops']:8.1f} TFLOP/s  MFU {mfu}  peak {mem} GiB",
               flush=True)
     runtime.shutdown()
+    peer = None
+    if args.peer:
+        from benchmarks.gpu.peer import time_peer
+
+        peer = time_peer(args.shape, shape, seq=args.seq, steps=args.steps, warmup=args.warmup,
+                         device=device, dtype=torch.bfloat16,
+                         modes=[m for m in ("frozen", "lora", "full") if m in results])
+        for mode, r in (peer or {}).items():
+            if isinstance(r, dict) and "ms_per_step" in r:
+                mem = ("-" if r["peak_memory_bytes"] is None else
+                       f"{r['peak_memory_bytes'] / 2**30:.1f}")
+                print(f"{'peft_' + mode:18s} {r['ms_per_step']:9.1f} ms "
+                      f"{r['tokens_per_s']:10.0f} tok/s   (transformers + PEFT)  peak {mem} GiB",
+                      flush=True)
     ms = {k: v["ms_per_step"] for k, v in results.items()}
+    if isinstance(peer, dict):
+        ms.update({f"peft_{k}": v["ms_per_step"] for k, v in peer.items()
+                   if isinstance(v, dict) and "ms_per_step" in v})
 
     def ratio(a, b):
         return round(ms[a] / ms[b], 4) if a in ms and b in ms else None
@@ -327,6 +354,10 @@ def main(argv=None) -> int:
         "qlora_over_lora": ratio("qlora", "lora"),
         "grouped_over_sequential_lora": ratio("lora", "lora_sequential"),
         "grouped_over_sequential_frozen": ratio("frozen", "frozen_sequential"),
+        "peer": peer,
+        "lora_over_peft_lora": ratio("lora", "peft_lora"),
+        "frozen_over_peft_frozen": ratio("frozen", "peft_frozen"),
+        "full_over_peft_full": ratio("full", "peft_full"),
         "flop_formula": "megatron_lora.training.flops.lora_step_flops: full 6N + attention, "
                         "lora/dora/prefix 4N + attention + adapters, frozen 4N + attention; "
                         "attention = 6*L*s*d_attn (causal half; MLA: 3*L*s*n*(qk + v))",

@@ -287,7 +287,14 @@ def prefix_problems(model, config) -> List[str]:
     if getattr(model, "position_embedding_type", "rope") != "rope":
         problems.append(f"prefix tuning needs RoPE positions, the model has "
                         f"{model.position_embedding_type!r}")
-    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    if any(isinstance(layer.self_attention, MultiLatentAttention) for layer in layers):
+        problems.append("prefix tuning is not available for multi-latent attention (DeepSeek-V3 "
+                        "/ V2) yet: train LoRA instead (--peft-type lora)")
+        return problems
+    for layer in layers:
         core = layer.self_attention.core_attention
         if not isinstance(core, prefix_core_attentions()):
             problems.append(f"prefix tuning needs megatron's DotProductAttention or SDPAttention "

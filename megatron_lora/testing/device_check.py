@@ -30,7 +30,8 @@ Not seen: code that autograd's engine runs during backward (torch applies no Tor
 there; megatron's DDP hooks copy the gradients it makes into device buffers).
 
 `python -m megatron_lora.testing.device_check REPORT.json [--setup MOD:FN] -- CMD ... [--then
-CMD ...]` runs `megatron-lora` commands in one process under the check and writes what it saw.
+CMD ...]` runs `megatron-lora` commands (or a script: CMD = path/to/script.py ARGS) in one
+process under the check and writes what it saw.
 """
 
 from __future__ import annotations
@@ -103,6 +104,19 @@ def _caller(depth: int = 2) -> str:
     if frame is None:
         return "?"
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+# Frames of the function modes between an access and this one (torch's device context).
+_MODE_FRAMES = (os.path.join(_TORCH, "utils", "_device.py"), os.path.join(_TORCH, "overrides.py"),
+                os.path.abspath(__file__), os.path.join(_PACKAGE, "runtime", "cpu_compat.py"))
+
+
+def _accessor() -> str:
+    """The file of the code that touched the tensor, the modes' frames skipped."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_MODE_FRAMES):
+        frame = frame.f_back
+    return "" if frame is None else frame.f_code.co_filename
 
 
 def _tensors(obj, out: list, depth: int = 0) -> list:
@@ -189,7 +203,7 @@ class DeviceCheck(TorchFunctionMode):
         if _is_descriptor(func, torch.Tensor.device, "__get__"):
             t = args[0]
             real = func(*args, **kwargs)
-            if real.type != "cpu" or sys._getframe(1).f_code.co_filename.startswith(_TORCH):
+            if real.type != "cpu" or _accessor().startswith(_TORCH):
                 return real  # torch's own code (distributed checkpoints) sees plain "cpu"
             return RANK if self.is_device(t) else torch.device("cpu")
         if func in _READS:
@@ -392,7 +406,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             check.start_command(index)
             os.environ["MASTER_PORT"] = str(_free_port())
             try:
-                code = cli.main(command)
+                if command and command[0].endswith(".py"):  # a script, run as __main__
+                    import runpy
+
+                    sys.argv = list(command)
+                    runpy.run_path(command[0], run_name="__main__")
+                    code = 0
+                else:
+                    code = cli.main(command)
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
             except Exception as exc:  # noqa: BLE001 - the report must be written

@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_gpu_check_smoke_on_cpu():
     from benchmarks.gpu.check import flops_per_token
 
-    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1"],
+    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
+                          "--no-peer"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -78,19 +79,14 @@ def test_gpu_check_counts_with_the_function_train_logs_with():
     assert flops_per_token(SHAPE_8X7B, 4096, "frozen") == 4 * n + attention
 
 
-def test_gpu_check_qwen3_shape_smoke_on_cpu():
+def test_gpu_check_qwen3_shape_smoke_on_cpu(checked_run):
     """--shape qwen3-30b-a3b (tiny sizes with its quirks: head_dim != h/heads, q/k norms, top-4
-    of 8 experts) times frozen, lora, full and the sequential-expert pair."""
-    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
-                          "--shape", "qwen3-30b-a3b"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    of 8 experts) times every mode, the sequential-expert pair included."""
+    result = checked_run("qwen3-30b-a3b")
     assert result["shape_name"] == "qwen3-30b-a3b"
-    assert set(result["modes"]) == {"frozen", "lora", "full", "lora_sequential",
-                                    "frozen_sequential"}
-    assert result["dora_over_lora"] is None and result["prefix_over_lora"] is None
+    assert set(result["modes"]) == {"frozen", "lora", "full", "dora", "prefix",
+                                    "lora_sequential", "frozen_sequential"}
+    assert result["dora_over_lora"] > 0 and result["prefix_over_lora"] > 0
     shape = result["shape"]
     assert shape["kv_channels"] * shape["num_attention_heads"] != shape["hidden_size"]
     assert shape["qk_layernorm"] and shape["num_experts"] == 8
@@ -118,7 +114,7 @@ def test_gpu_check_nf4_mode_smoke_on_cpu():
     same trainable adapters and model FLOPs, ~0.516 bytes held per NF4 parameter); its times say
     nothing about a GPU."""
     out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
-                          "--base-quantization", "nf4", "--modes", "lora", "qlora"],
+                          "--base-quantization", "nf4", "--modes", "lora", "qlora", "--no-peer"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -140,21 +136,17 @@ def test_gpu_check_nf4_mode_smoke_on_cpu():
 
 
 
-def test_gpu_check_deepseek_v3_shape_smoke_on_cpu():
+def test_gpu_check_deepseek_v3_shape_smoke_on_cpu(checked_run):
     """--shape deepseek-v3 at tiny sizes (multi-latent attention with q_lora_rank, 16 experts
     top-4 in 4 groups of which 2 are kept, sigmoid scores with the expert bias, a shared expert,
-    YaRN) times frozen and lora. The model built is MLA's and the LoRA is on each q/kv projection
-    (linear_qkv), linear_proj and every routed and shared fc1/fc2: their parameters counted by
-    hand."""
+    YaRN) times frozen, lora and dora. The model built is MLA's and the LoRA is on each
+    q/kv projection (linear_qkv), linear_proj and every routed and shared fc1/fc2: their
+    parameters counted by hand."""
     from benchmarks.gpu.check import flops_per_token
 
-    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
-                          "--shape", "deepseek-v3"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["shape_name"] == "deepseek-v3" and set(result["modes"]) == {"frozen", "lora"}
+    result = checked_run("deepseek-v3")
+    assert result["shape_name"] == "deepseek-v3"
+    assert set(result["modes"]) == {"frozen", "lora", "dora"}
     assert result["lora_over_full"] is None and result["lora_over_frozen"] > 0
     frozen, lora = result["modes"]["frozen"], result["modes"]["lora"]
     h, v, f, experts, layers, r = 64, 256, 96, 16, 2, 16  # the shared expert's ffn is f too
@@ -201,3 +193,55 @@ def test_deepseek_v3_shape_is_its_config():
         from benchmarks.gpu.check import main
 
         main(["--tiny", "--shape", "deepseek-v3", "--base-quantization", "nf4"])
+
+
+_CHECKED = {}
+
+
+@pytest.fixture(scope="module")
+def checked_run(tmp_path_factory):
+    """checked_run(shape): the JSON line of `check.py --tiny --shape SHAPE` (every mode, and the
+    transformers + PEFT peer) run once per shape under testing/device_check.py, which must have
+    seen no host tensor meet a device one and no collective get a host tensor (the first GPU
+    run of this check crashed in every mode on those)."""
+
+    def run(shape):
+        if shape not in _CHECKED:
+            report = str(tmp_path_factory.mktemp("checked") / "report.json")
+            out = subprocess.run(
+                [sys.executable, "-m", "megatron_lora.testing.device_check", report, "--",
+                 "benchmarks/gpu/check.py", "--tiny", "--steps", "1", "--warmup", "0",
+                 "--shape", shape],
+                cwd=REPO, capture_output=True, text=True, timeout=600,
+                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                         PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])))
+            with open(report) as f:
+                seen = json.load(f)
+            assert seen["errors"] == [] and seen["exit_codes"] == [0], (
+                seen["errors"], out.stdout[-3000:], out.stderr[-3000:])
+            _CHECKED[shape] = json.loads(out.stdout.strip().splitlines()[-1])
+        return _CHECKED[shape]
+
+    return run
+
+
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
+def test_gpu_check_runs_every_mode_as_on_a_gpu(checked_run, shape):
+    """Every mode of each shape and the peer, as on a GPU (checked_run), from one run."""
+    result = checked_run(shape)
+    from benchmarks.gpu.check import shape_modes
+
+    assert set(result["modes"]) == {m if g else f"{m}_sequential" for m, g in shape_modes(shape)}
+    if shape == "deepseek-v3":
+        assert result["peer"] is None and result["lora_over_peft_lora"] is None
+    else:  # the peer timed its three modes, ratios from the same run
+        assert set(result["peer"]) == {"frozen", "lora", "full"}
+        assert result["lora_over_peft_lora"] == pytest.approx(
+            result["modes"]["lora"]["ms_per_step"] / result["peer"]["lora"]["ms_per_step"],
+            rel=1e-3)
+        # PEFT's adapters are ours (r=16 on every expert's gate_up / down and on attention),
+        # except that q, k and v have an A each where our linear_qkv has one: 2 r h more a layer.
+        size = result["shape"]
+        assert result["peer"]["lora"]["trainable_parameters"] == \
+            result["modes"]["lora"]["trainable_parameters"] + \
+            2 * 16 * size["hidden_size"] * size["num_layers"]

@@ -24,7 +24,9 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from megatron_lora.cli.parser import CliParser
+
+    parser = CliParser(
         prog="megatron-lora",
         description="LoRA fine-tuning of Mixture-of-Experts models with megatron-core.",
     )

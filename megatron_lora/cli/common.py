@@ -39,3 +39,21 @@ def torchrun_env_defaults(port: int) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def error_once(message: str, wait_s: float = 30.0) -> None:
+    """Print a user error that every rank found alike (the same inputs, before any collective)
+    once: rank 0 prints it at once. Another rank under torchrun (whose output is all ranks'
+    together) waits for rank 0 to print it and exit, which makes torchrun stop this rank
+    (exiting first would make torchrun stop rank 0 before it printed); should rank 0 not end the
+    job within `wait_s`, it prints the message after all. Ranks started some other way, each
+    with its own output, print it at once. The caller exits non-zero on every rank."""
+    import sys
+    import time
+
+    from megatron_lora.runtime.watchdog import under_torchrun
+
+    if os.environ.get("RANK", "0") != "0" and under_torchrun() and \
+            int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(wait_s)
+    print(message, file=sys.stderr, flush=True)

@@ -4,25 +4,17 @@
   closest flags of the command it was given to, by difflib.
 - The error is one line (the command and the message) and a pointer to `--help`, without the
   usage block (train's is 49 lines).
-- Under torchrun every rank parses the same arguments; only rank 0 (RANK, unset: 0) prints, every
-  rank exits 2.
+- Under torchrun every rank parses the same arguments; the error is printed once (rank 0;
+  cli/common.error_once), every rank exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import re
 import sys
 from typing import List, Sequence
-
-
-def _rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
 
 
 def _leaf(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
@@ -69,7 +61,8 @@ class CliParser(argparse.ArgumentParser):
         leaf = self
         if message.startswith("unrecognized arguments:"):  # raised by the top-level parser
             leaf = _leaf(self, getattr(self, "_argv", []))
-        if _rank() == 0:
-            sys.stderr.write(f"{leaf.prog}: error: {message}{suggestion(leaf, message)}\n"
-                             f"({leaf.prog} --help lists its flags)\n")
+        from megatron_lora.cli.common import error_once
+
+        error_once(f"{leaf.prog}: error: {message}{suggestion(leaf, message)}\n"
+                   f"({leaf.prog} --help lists its flags)")
         sys.exit(2)

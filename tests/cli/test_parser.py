@@ -42,8 +42,19 @@ def test_nothing_close_gets_no_suggestion(capsys, monkeypatch):
     assert "unrecognized arguments: --zzzzqqq\n" in err and "did you mean" not in err, err
 
 
-def test_only_rank_0_prints_and_every_rank_exits_2(capsys, monkeypatch):
-    monkeypatch.setenv("RANK", "3")
-    assert _error(capsys, ["train", *REQUIRED, "--lora-rnk", "8"]) == ""
-    monkeypatch.setenv("RANK", "0")
-    assert "--lora-rank" in _error(capsys, ["train", *REQUIRED, "--lora-rnk", "8"])
+def test_under_torchrun_the_error_is_printed_once(tiny_example, tmp_path):
+    """2 ranks under torchrun: a mistyped flag, and a layout logits refuses (every rank finds
+    it before any collective), each printed once; the launch fails."""
+    from tests.export import _support as S
+
+    hf = tiny_example(tmp_path / "tiny", 4) + "/hf"
+    tokens = S.write_tokens(str(tmp_path / "tokens.json"), __import__("torch").zeros(2, 4).long())
+    cases = [(["train", *REQUIRED, "--lora-rnk", "8"], "did you mean --lora-rank"),
+             (["logits", "--load-hf", hf, "--tokens", tokens, "--out", str(tmp_path / "o"),
+               "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+              "megatron-lora logits: error: ")]
+    for argv, needle in cases:
+        done = S.cli(*argv, nproc=2)
+        assert done.returncode != 0
+        assert done.stderr.count(needle) == 1, done.stderr[-3000:]
+        assert not (tmp_path / "o").exists()

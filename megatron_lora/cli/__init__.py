@@ -60,6 +60,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         watch_launcher()
     args = build_parser().parse_args(argv)
+    from megatron_lora.cli.common import COMPUTING_COMMANDS, default_threads
+
+    if args.command in COMPUTING_COMMANDS:
+        default_threads()  # a sane per-rank CPU thread count when OMP_NUM_THREADS is unset
     return int(args.func(args) or 0)
 
 

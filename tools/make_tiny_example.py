@@ -143,7 +143,11 @@ FAMILIES = {
         extra=("<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>"), template=DEEPSEEK),
     "gpt_oss": dict(config=("GptOssConfig", dict(
         COMMON, intermediate_size=64, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)),
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+        # YaRN as published (factor 32 over 4096 positions), scaled to 256 positions
+        rope_parameters=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             rope_theta=150000.0))),
         bos=None, eos="<|return|>",
         extra=("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|endoftext|>"),
         template=HARMONY),

@@ -15,6 +15,23 @@ def pytest_sessionfinish(session, exitstatus):
     close_worlds()
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "versioned: exercises a difference between megatron-core releases "
+        "(tests/runtime/versioned.py); `make test TESTS=versioned` runs only these")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests listed in tests/runtime/versioned.py `versioned`."""
+    from tests.runtime.versioned import versioned_ids
+
+    listed = versioned_ids()
+    for item in items:
+        file, _, rest = item.nodeid.partition("::")
+        if file in listed or f"{file}::{rest.split('[')[0]}" in listed:
+            item.add_marker(pytest.mark.versioned)
+
+
 @multirank(world_size=1)
 def _build_tiny_reference(directory, layout):
     from megatron_lora.models.gpt import tiny_moe_shape

@@ -16,11 +16,17 @@ MCORE=${2:-}
 PYTHON=${PYTHON:-python3}
 TORCH=${TORCH:-torch==2.13.0}
 cd "$(dirname "$0")/.."
+# One line per step, so that the few quiet minutes of an install say what they are doing.
+say() { echo "setup ($VENV): $*"; }
 
-test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+if ! test -x "$VENV/bin/python"; then
+  say "creating the virtual environment with $("$PYTHON" -V 2>&1)"
+  "$PYTHON" -m venv "$VENV"
+fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install -q)
 # CPU torch first and alone, so that no dependency pulls a CUDA build.
+say "installing $TORCH (CPU build)"
 "${PIP[@]}" "$TORCH"
 
 CONSTRAINTS=constraints.txt
@@ -28,6 +34,7 @@ if [ -n "$MCORE" ]; then
   CONSTRAINTS="$VENV/constraints-mcore$MCORE.txt"
   { grep -v '^megatron-core' constraints.txt; echo "megatron-core==$MCORE"; } > "$CONSTRAINTS"
   if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$MCORE')" 2>/dev/null; then
+    say "installing megatron-core $MCORE"
     if ! "${PIP[@]}" --no-deps "megatron-core==$MCORE" 2>/dev/null; then
       echo "megatron-core $MCORE has no wheel for $("$PY" -V); building it from its sdist"
       SDIST=$(mktemp -d)
@@ -40,13 +47,17 @@ if [ -n "$MCORE" ]; then
   fi
 fi
 
+say "installing megatron-lora (editable) and its pinned dependencies from $CONSTRAINTS"
 "${PIP[@]}" -c "$CONSTRAINTS" -e '.[test,hf]'
+say "checking that megatron-core imports"
 # (The import's output is captured first: under pipefail a failing python | grep is false.)
 why=$("$PY" -c "import megatron.core.models.gpt.gpt_model" 2>&1) || true
 case "$why" in
-  *"No module named 'triton'"*) "${PIP[@]}" -c "$CONSTRAINTS" triton ;;
+  *"No module named 'triton'"*) say "installing triton (megatron-core imports it)"
+                                "${PIP[@]}" -c "$CONSTRAINTS" triton ;;
 esac
 "$PY" -c "import megatron.core.models.gpt.gpt_model" 2>/dev/null || {
   "$PY" -c "import megatron.core.models.gpt.gpt_model"; exit 1; }
-"$PY" -c "import megatron.core as m; print('megatron-core', m.__version__, 'in $VENV')"
+# (its import warns that Transformer Engine and apex are absent: optional, CPU runs need neither)
+PYTHONWARNINGS=ignore "$PY" -c "import megatron.core as m; print('setup ($VENV): ready, megatron-core', m.__version__)"
 touch "$VENV/.installed"

@@ -11,8 +11,11 @@ set -euo pipefail
 : "${HF:?set HF to the Hugging Face DeepSeek-V3 folder}"
 : "${DATA:?set DATA to a JSONL file}"
 : "${SAVE:?set SAVE to the adapter checkpoint folder}"
+# `--load DIR` among the arguments replaces --load-hf (the two exclude each other).
+BASE=(--load-hf "$HF")
+for arg in "$@"; do case "$arg" in --load | --load=*) BASE=() ;; esac; done
 torchrun --nproc-per-node 8 -m megatron_lora train \
-  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" --base-quantization nf4 \
+  "${BASE[@]}" --tokenizer "$HF" --data-path "$DATA" --base-quantization nf4 \
   --tensor-model-parallel-size 8 --expert-model-parallel-size 8 \
   --expert-tensor-parallel-size 1 --sequence-parallel --moe-token-dispatcher-type alltoall \
   --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 64 \

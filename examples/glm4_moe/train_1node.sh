@@ -3,14 +3,18 @@
 #   HF=/data/GLM-4.5-Air DATA=/data/train.jsonl SAVE=/ckpt/glm-air-lora bash train_1node.sh
 # The base is read straight from the HF safetensors (each rank reads its own slices; the
 # multi-token-prediction layer is not built). Convert it once with `megatron-lora convert
-# hf-to-mcore` (which keeps that layer for mcore-to-hf and `export hf --merge`) and pass --load
-# instead to start faster. Add --base-quantization nf4 to hold the frozen linears in NF4.
+# hf-to-mcore` (which keeps that layer for mcore-to-hf and `export hf --merge`) and add
+# `--load MCORE_DIR` to this script's arguments to start faster. Add --base-quantization nf4 to
+# hold the frozen linears in NF4.
 set -euo pipefail
 : "${HF:?set HF to the Hugging Face GLM-4.5-Air folder}"
 : "${DATA:?set DATA to a JSONL file}"
 : "${SAVE:?set SAVE to the adapter checkpoint folder}"
+# `--load DIR` among the arguments replaces --load-hf (the two exclude each other).
+BASE=(--load-hf "$HF")
+for arg in "$@"; do case "$arg" in --load | --load=*) BASE=() ;; esac; done
 torchrun --nproc-per-node 8 -m megatron_lora train \
-  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  "${BASE[@]}" --tokenizer "$HF" --data-path "$DATA" \
   --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --sequence-parallel \
   --moe-token-dispatcher-type alltoall \
   --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 64 \

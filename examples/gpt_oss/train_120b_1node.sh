@@ -4,13 +4,16 @@
 #   HF=/data/gpt-oss-120b DATA=/data/train.jsonl SAVE=/ckpt/gpt-oss-120b-lora bash train_120b_1node.sh
 # The base is read straight from the HF folder (each rank reads its own slices; the MXFP4 experts
 # are dequantised to bf16 on load); convert it once with `megatron-lora convert hf-to-mcore` and
-# pass --load instead to start faster.
+# add `--load MCORE_DIR` to this script's arguments to start faster.
 set -euo pipefail
 : "${HF:?set HF to the Hugging Face gpt-oss-120b folder}"
 : "${DATA:?set DATA to a JSONL file}"
 : "${SAVE:?set SAVE to the adapter checkpoint folder}"
+# `--load DIR` among the arguments replaces --load-hf (the two exclude each other).
+BASE=(--load-hf "$HF")
+for arg in "$@"; do case "$arg" in --load | --load=*) BASE=() ;; esac; done
 torchrun --nproc-per-node 8 -m megatron_lora train \
-  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  "${BASE[@]}" --tokenizer "$HF" --data-path "$DATA" \
   --tensor-model-parallel-size 2 --expert-model-parallel-size 8 \
   --expert-tensor-parallel-size 1 --sequence-parallel \
   --moe-token-dispatcher-type alltoall \

@@ -2,14 +2,18 @@
 # LoRA fine-tuning of gpt-oss-20b on one GPU (80 GB or more), with full activation recomputation.
 #   HF=/data/gpt-oss-20b DATA=/data/train.jsonl SAVE=/ckpt/gpt-oss-20b-lora bash train_20b_1gpu.sh
 # The base is read straight from the HF folder (its MXFP4 experts dequantised to bf16 on load);
-# convert it once with `megatron-lora convert hf-to-mcore` and pass --load instead to start
+# convert it once with `megatron-lora convert hf-to-mcore` and add
+# `--load MCORE_DIR` to this script's arguments to start
 # faster. Add --base-quantization nf4 to hold the frozen linears in NF4 (README.md).
 set -euo pipefail
 : "${HF:?set HF to the Hugging Face gpt-oss-20b folder}"
 : "${DATA:?set DATA to a JSONL file}"
 : "${SAVE:?set SAVE to the adapter checkpoint folder}"
+# `--load DIR` among the arguments replaces --load-hf (the two exclude each other).
+BASE=(--load-hf "$HF")
+for arg in "$@"; do case "$arg" in --load | --load=*) BASE=() ;; esac; done
 torchrun --nproc-per-node 1 -m megatron_lora train \
-  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  "${BASE[@]}" --tokenizer "$HF" --data-path "$DATA" \
   --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 32 \
   --recompute-granularity full \
   --train-iters 1000 --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 50 --lr-decay-style cosine \

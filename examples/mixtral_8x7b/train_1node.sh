@@ -2,13 +2,17 @@
 # LoRA fine-tuning of Mixtral 8x7B on one node of 8 GPUs: TP2 x EP4 with sequence parallelism.
 #   HF=/data/Mixtral-8x7B-v0.1 DATA=/data/train.jsonl SAVE=/ckpt/mixtral-lora bash train_1node.sh
 # The base is read straight from the HF safetensors (each rank reads its own slices); convert it
-# once with `megatron-lora convert hf-to-mcore` and pass --load instead to start faster.
+# once with `megatron-lora convert hf-to-mcore` and add
+# `--load MCORE_DIR` to this script's arguments to start faster.
 set -euo pipefail
 : "${HF:?set HF to the Hugging Face Mixtral folder}"
 : "${DATA:?set DATA to a JSONL file}"
 : "${SAVE:?set SAVE to the adapter checkpoint folder}"
+# `--load DIR` among the arguments replaces --load-hf (the two exclude each other).
+BASE=(--load-hf "$HF")
+for arg in "$@"; do case "$arg" in --load | --load=*) BASE=() ;; esac; done
 torchrun --nproc-per-node 8 -m megatron_lora train \
-  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  "${BASE[@]}" --tokenizer "$HF" --data-path "$DATA" \
   --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --sequence-parallel \
   --moe-token-dispatcher-type alltoall \
   --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 64 \

@@ -5,10 +5,13 @@
 #   NNODES=2 MASTER=node0.example:29500 HF=... DATA=... SAVE=... bash train_multinode.sh
 set -euo pipefail
 : "${NNODES:?}" "${MASTER:?host:port of the rendezvous}" "${HF:?}" "${DATA:?}" "${SAVE:?}"
+# `--load DIR` among the arguments replaces --load-hf (the two exclude each other).
+BASE=(--load-hf "$HF")
+for arg in "$@"; do case "$arg" in --load | --load=*) BASE=() ;; esac; done
 torchrun --nnodes "$NNODES" --nproc-per-node 8 \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER" --rdzv-id "${RDZV_ID:-mixtral-lora}" \
   -m megatron_lora train \
-  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  "${BASE[@]}" --tokenizer "$HF" --data-path "$DATA" \
   --tensor-model-parallel-size 2 --expert-model-parallel-size 8 --sequence-parallel \
   --moe-token-dispatcher-type alltoall \
   --seq-length 4096 --attention-backend flash --micro-batch-size 1 --global-batch-size 128 \

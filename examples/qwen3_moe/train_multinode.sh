@@ -8,9 +8,12 @@ set -euo pipefail
 : "${DATA:?set DATA to a JSONL file}"
 : "${SAVE:?set SAVE to the adapter checkpoint folder}"
 : "${MASTER:?set MASTER to host:port of the first node}"
+# `--load DIR` among the arguments replaces --load-hf (the two exclude each other).
+BASE=(--load-hf "$HF")
+for arg in "$@"; do case "$arg" in --load | --load=*) BASE=() ;; esac; done
 torchrun --nnodes "${NNODES:-2}" --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$MASTER" \
   -m megatron_lora train \
-  --load-hf "$HF" --tokenizer "$HF" --data-path "$DATA" \
+  "${BASE[@]}" --tokenizer "$HF" --data-path "$DATA" \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
   --expert-model-parallel-size 4 --sequence-parallel --moe-token-dispatcher-type alltoall \
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \

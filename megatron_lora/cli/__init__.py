@@ -24,7 +24,9 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from megatron_lora.cli.parser import CliParser
+
+    parser = CliParser(
         prog="megatron-lora",
         description="LoRA fine-tuning of Mixture-of-Experts models with megatron-core.",
     )
@@ -58,6 +60,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         watch_launcher()
     args = build_parser().parse_args(argv)
+    from megatron_lora.cli.common import COMPUTING_COMMANDS, default_threads
+
+    if args.command in COMPUTING_COMMANDS:
+        default_threads()  # a sane per-rank CPU thread count when OMP_NUM_THREADS is unset
     return int(args.func(args) or 0)
 
 

@@ -5,7 +5,7 @@
         --sequence-parallel --prompts prompts.jsonl --max-new-tokens 128 --out out.jsonl
 
 --prompts: JSONL, {"prompt": text} or {"messages": [...]} (the tokenizer's chat template) per
-line. --out: JSONL, one object per prompt: its fields plus "completion" (the decoded new text,
+line. --out (default `-`, stdout): JSONL, one object per prompt: its fields plus "completion" (the decoded new text,
 special tokens dropped) and "token_ids" (the generated ids, with the EOS id when generation
 stopped there, as transformers' generate returns them). Greedy by default (--temperature 0);
 with --temperature > 0 tokens are drawn (--top-k, --top-p, --seed). A KV cache keeps the time per
@@ -40,8 +40,8 @@ def register(sub) -> None:
                    "'byte' (default: the --load-hf folder)")
     p.add_argument("--prompts", required=True, help="JSONL: {\"prompt\": text} or "
                    "{\"messages\": [...]} per line")
-    p.add_argument("--out", required=True, help="output JSONL: each prompt's fields plus "
-                   "'completion' and 'token_ids'")
+    p.add_argument("--out", default="-", help="output JSONL: each prompt's fields plus "
+                   "'completion' and 'token_ids'; '-' (the default): printed to stdout")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most "
@@ -62,7 +62,9 @@ def register(sub) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"megatron-lora generate: error: {message}", file=sys.stderr)
+    from megatron_lora.cli.common import error_once
+
+    error_once(f"megatron-lora generate: error: {message}")  # every rank found it: said once
     return 2
 
 
@@ -113,9 +115,11 @@ def _run(args) -> int:
         _check_prompts(prompts, args, info, tokenizer, lora)
         from megatron_lora.convert.outputs import check_output
 
-        check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
-            "--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
-            "--adapter": args.adapter, "--prompts": args.prompts, "--tokenizer": args.tokenizer})
+        if args.out != "-":
+            check_output(args.out, kind="file", overwrite=args.overwrite, flag="--out", inputs={
+                "--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
+                "--adapter": args.adapter, "--prompts": args.prompts,
+                "--tokenizer": args.tokenizer})
     except (ConversionError, ModelConfigError, LayoutError, TokenizerError, PromptError,
             ValueError) as exc:
         return _fail(str(exc))
@@ -176,11 +180,16 @@ def _generate_all(args, layout, info, hf, dtype, lora, tokenizer, records, promp
 
         from megatron_lora.convert.atomic import atomic_file
 
-        out_path = os.path.abspath(args.out)
-        with atomic_file(out_path) as tmp:  # --out was checked before the first collective
-            with open(tmp, "w", encoding="utf-8") as f:
-                for r in results:
-                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+        if args.out == "-":
+            out_path = "stdout"
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+        else:
+            out_path = os.path.abspath(args.out)
+            with atomic_file(out_path) as tmp:  # --out was checked before the first collective
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(lines)
         print(f"generated {new_tokens} tokens for {len(results)} prompts in {seconds:.1f} s "
               f"({1000.0 * seconds / max(new_tokens, 1):.1f} ms per token, {layout.describe()} "
               f"on {dist.get_world_size()} ranks); wrote {out_path}", file=sys.stderr)

@@ -131,7 +131,9 @@ def _run(args) -> int:
             "--load": args.load, "--load-hf": args.load_hf, "--hf-config": args.hf_config,
             "--adapter": args.adapter, "--tokens": args.tokens})
     except (ConversionError, ModelConfigError, LayoutError, ValueError) as exc:
-        print(f"megatron-lora logits: error: {exc}", file=sys.stderr)
+        from megatron_lora.cli.common import error_once
+
+        error_once(f"megatron-lora logits: error: {exc}")  # every rank found it: said once
         return 2
     return _compute(args, layout, info, hf, tokens, torch.bfloat16 if args.bf16 else torch.float32,
                     lora)

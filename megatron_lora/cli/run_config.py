@@ -23,6 +23,8 @@ import argparse
 import math
 from typing import Dict, List, Optional, Set, Tuple
 
+from megatron_lora.cli.parser import CliParser
+
 CONFIG_FLAG = "--config"
 # Actions that are no run setting: never read from a file nor written to one.
 _NOT_SETTINGS = ("help", "version", "config")
@@ -246,7 +248,7 @@ def dump(config: Dict[str, object], command: str = "megatron-lora train") -> str
     return run_config_yaml(config, command)
 
 
-class ConfigArgumentParser(argparse.ArgumentParser):
+class ConfigArgumentParser(CliParser):
     """An ArgumentParser that reads --config FILE before parsing (see the module docstring) and
     records on the namespace which flags were given (`given_flags`: command line or file)."""
 

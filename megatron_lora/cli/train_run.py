@@ -299,6 +299,10 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
 
     runtime.init_process_group()
     rank0 = dist.get_rank() == 0
+    if not args.save and rank0:  # before the work, not after it
+        print("megatron-lora train: warning: no --save: the trained adapter is not saved (it is "
+              "discarded when the run ends); give --save DIR to keep it", file=sys.stderr,
+              flush=True)
     runtime.initialize(layout, seed=args.seed, model_sizes=info.shape.layout_sizes())
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     base = f"--load-hf {args.load_hf}" if hf is not None else f"--load {args.load}"

@@ -340,6 +340,18 @@ def count_parameters(model) -> Tuple[int, int]:
         counts[base + 1] += p.numel()
         if p.requires_grad:
             counts[base] += p.numel()
+    for module in _unwrap(model).modules():
+        # A frozen weight held in NF4 (models/nf4_linear.py) is buffers, no Parameter: count the
+        # elements it stands for (2 codes per byte), with its weight's sharding attributes.
+        codes = getattr(module, "nf4_codes", None)
+        if codes is None:
+            continue
+        kept = getattr(module, "nf4_weight_attributes", {})
+        expert = kept.get("allreduce", True) is False
+        if not kept.get("tensor_model_parallel", False) and \
+                (etp_rank if expert else tp_rank) != 0:
+            continue
+        counts[(2 if expert else 0) + 1] += codes.numel() * 2
     if dist.is_initialized():  # on the rank's device: the groups are NCCL's on a GPU
         here = dict(dtype=torch.float64, device=runtime.device())  # exact below 2^53
         dense, expert = torch.tensor(counts[:2], **here), torch.tensor(counts[2:], **here)

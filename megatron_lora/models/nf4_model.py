@@ -88,8 +88,16 @@ def nf4_layout_problems(shape, layout) -> List[str]:
             problems.append(f"--base-quantization nf4: {what} = {width} split over {flag} "
                             f"{ranks} gives {width / ranks:g} input columns per rank, not a "
                             f"multiple of {BLOCK} (NF4 blocks are {BLOCK} input columns of one "
-                            f"row); use a smaller {flag}")
+                            f"row); use a smaller {flag}{_etp1_hint(what, width)}")
     return problems
+
+
+def _etp1_hint(what: str, width: int) -> str:
+    """For the experts' width split into partial blocks: expert-TP 1 keeps each expert whole on
+    its rank (whole blocks when the width is) while the dense layers keep their TP."""
+    if not what.startswith("moe_ffn_hidden_size") or width % BLOCK:
+        return ""
+    return " (--expert-tensor-parallel-size 1 keeps each expert whole on its rank)"
 
 
 def _targets(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
@@ -132,9 +140,12 @@ def _check(name: str, linear) -> None:
     if isinstance(linear, RowParallelLinear) and size > 1:
         flag = ("--expert-tensor-parallel-size" if getattr(linear, "is_expert", False)
                 else "--tensor-model-parallel-size")
+        whole = getattr(linear, "is_expert", False) and (k * size) % BLOCK == 0
         raise NF4LayoutError(
             f"--base-quantization nf4: {name} holds {k} input columns per rank ({flag} {size}),"
-            f" not a multiple of {BLOCK}; use a smaller {flag}")
+            f" not a multiple of {BLOCK}; use a smaller {flag}"
+            + (" (--expert-tensor-parallel-size 1 keeps each expert whole on its rank)"
+               if whole else ""))
     raise NF4LayoutError(f"--base-quantization nf4: {name} has {k} input columns, not a "
                          f"multiple of {BLOCK}; this model cannot be held in NF4")
 

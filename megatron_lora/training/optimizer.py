@@ -57,18 +57,20 @@ class OptimConfig:
             raise ValueError("--override-opt_param-scheduler and "
                              "--use-checkpoint-opt_param-scheduler exclude each other")
         if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+            raise ValueError(f"--min-lr must be in [0, --lr {self.lr}], got {self.min_lr}")
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
-            raise ValueError(f"lr_decay_style must be constant, linear, cosine or "
+            raise ValueError(f"--lr-decay-style must be constant, linear, cosine or "
                              f"inverse-square-root, got {self.lr_decay_style!r}")
         if self.train_iters < 1:
-            raise ValueError(f"train_iters must be >= 1, got {self.train_iters}")
+            raise ValueError(f"--train-iters must be >= 1, got {self.train_iters}")
         if not 0 <= self.lr_warmup_iters <= self.train_iters:
-            raise ValueError(f"lr_warmup_iters must be in [0, train_iters], got {self.lr_warmup_iters}")
+            raise ValueError(f"--lr-warmup-iters must be in [0, --train-iters {self.train_iters}],"
+                             f" got {self.lr_warmup_iters}")
         if self.clip_grad < 0 or self.weight_decay < 0:
-            raise ValueError("clip_grad and weight_decay must be >= 0")
+            raise ValueError(f"--clip-grad and --weight-decay must be >= 0, got {self.clip_grad} "
+                             f"and {self.weight_decay}")
 
 
 def trainable_precision(model_chunks) -> Tuple[bool, bool, bool]:

@@ -190,6 +190,10 @@ def test_bad_lora_rank_pattern_is_a_usage_error(value, capsys):
     (["--lora-rank", "0"], "--lora-rank must be a positive integer, got 0"),
     (["--lora-alpha", "-1"], "--lora-alpha must be a finite number > 0, got -1"),
     (["--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1), got 1.5"),
+    # the optimizer's settings, by their flags too (not OptimConfig's field names)
+    (["--lr-warmup-iters", "99"], "--lr-warmup-iters must be in [0, --train-iters "),
+    (["--min-lr", "5"], "--min-lr must be in [0, --lr "),
+    (["--clip-grad", "-1"], "--clip-grad and --weight-decay must be >= 0, got -1.0"),
 ])
 def test_bad_lora_values_name_the_flag(tiny, tmp_path, flags, needle):
     from megatron_lora.cli import build_parser

@@ -8,7 +8,6 @@ run; here their `megatron_lora train ...` arguments go through the real parser."
 
 import os
 import re
-import shlex
 
 import pytest
 
@@ -22,12 +21,37 @@ DEEPSEEK_SCRIPTS = [os.path.join("deepseek_v3", s) for s in ("train_nodes.sh",
                                                              "train_1node_nf4.sh")]
 
 
-def _train_args(path):
-    text = open(path).read().replace("\\\n", " ")
-    line = next(l for l in text.splitlines() if "megatron_lora train" in l)
-    words = shlex.split(line.split("megatron_lora train", 1)[1], comments=True)
-    # Environment variables of the scripts become placeholders; "$@" (extra flags) is dropped.
-    return [re.sub(r"\$\{?(\w+)[^}\s]*\}?", r"/placeholder/\1", w) for w in words if w != "$@"]
+# Stand-ins for the launchers: torchrun writes the arguments it was given after
+# `megatron_lora train`, one per line, to $ARGS_OUT; srun runs its command; scontrol names a host.
+LAUNCHERS = {
+    "torchrun": '#!/usr/bin/env bash\nwhile [ "$1" != train ]; do shift; done; shift\n'
+                'printf "%s\\n" "$@" > "$ARGS_OUT"\n',
+    "srun": '#!/usr/bin/env bash\nexec "$@"\n',
+    "scontrol": '#!/usr/bin/env bash\necho node0\n',
+}
+ENV = {name: f"/placeholder/{name}" for name in
+       ("HF", "DATA", "SAVE", "MCORE", "MASTER", "MASTER_ADDR", "SLURM_JOB_NODELIST")}
+ENV.update(NNODES="2", NODE_RANK="0", SLURM_NNODES="2", SLURM_JOB_ID="1")
+
+
+def _train_args(path, *extra, tmp=None):
+    """The arguments the script passes to `megatron_lora train` when run with `extra` (its own
+    arguments), through stand-in launchers (no GPU, nothing launched)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name, text in LAUNCHERS.items():
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+            os.chmod(os.path.join(folder, name), 0o755)
+        out = os.path.join(folder, "args")
+        env = dict(os.environ, **ENV, ARGS_OUT=out,
+                   PATH=folder + os.pathsep + os.environ["PATH"])
+        done = subprocess.run(["bash", path, *extra], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        return open(out).read().splitlines()
 
 
 @pytest.mark.parametrize("script", SCRIPTS + DEEPSEEK_SCRIPTS)
@@ -93,3 +117,20 @@ def test_deepseek_v3_scripts_fit_the_model(script, world):
     assert nf4_layout_problems(info.shape, layout) == []
     if script == "train_nodes.sh":
         assert args.recompute_granularity == "full" and args.load and not args.load_hf
+
+
+@pytest.mark.parametrize("script", SCRIPTS + [os.path.join("deepseek_v3", "train_1node_nf4.sh")])
+def test_load_among_the_arguments_replaces_load_hf(script):
+    """The scripts' advice (`--load MCORE_DIR` to start faster) works: the script leaves out its
+    --load-hf, which argparse refuses beside --load."""
+    from megatron_lora.cli import build_parser
+
+    path = os.path.join(REPO, "examples", script)
+    assert "pass --load instead" not in open(path).read()
+    for extra in (["--load", "/converted"], ["--load=/converted"]):
+        argv = _train_args(path, *extra)
+        assert "--load-hf" not in argv, argv
+        args = build_parser().parse_args(["train"] + argv)
+        assert (args.load, args.load_hf) == ("/converted", None)
+    args = build_parser().parse_args(["train"] + _train_args(path))
+    assert (args.load, args.load_hf) == (None, "/placeholder/HF")

@@ -79,7 +79,8 @@ def test_widths_that_split_blocks_are_refused_naming_the_flag(models, tmp_path, 
     assert ("moe_ffn_hidden_size (input of each expert's fc2) = 128 split over "
             "--expert-tensor-parallel-size 4 gives 32 input columns per rank, not a multiple of "
             "64 (NF4 blocks are 64 input columns of one row); use a smaller "
-            "--expert-tensor-parallel-size") in err, err
+            "--expert-tensor-parallel-size (--expert-tensor-parallel-size 1 keeps each expert "
+            "whole on its rank)") in err, err
     assert not os.path.exists(out) and not (tmp_path / "run").exists()
 
 
@@ -190,3 +191,25 @@ def test_load_of_a_torch_dist_checkpoint_with_nf4_gives_the_load_hf_logits(model
         diff = (logits - reference).abs().max().item()
         assert diff <= 1e-4, f"max abs diff {diff:.3e} vs transformers on the NF4 round trip"
     assert (from_mcore - S.hf_logits(models["wide"], tokens)).abs().max().item() > 1e-3
+
+
+def test_nf4_summary_counts_the_quantised_weights_and_no_save_warns_once(models):
+    """The parameter summary of an NF4 run counts each quantised weight as the elements it
+    stands for: the same totals as the full-precision run (before: the NF4 weights were left
+    out, 248,640 of 740,160 on a tiny model). A run without --save says once, before training,
+    that its adapter will not be kept (2 ranks: rank 0 says it)."""
+    import re
+
+    def summary(done):
+        assert done.returncode == 0, done.stderr[-3000:]
+        (found,) = re.findall(r"trainable params: ([\d,]+) \|\| all params: ([\d,]+)",
+                              done.stdout)
+        return found
+
+    argv = [a for a in _train_args(models, "unused", 1) if a not in ("--save", "unused")]
+    plain = S.cli(*argv)
+    nf4 = S.cli(*argv, "--base-quantization", "nf4", nproc=2)
+    assert summary(nf4) == summary(plain)
+    for done in (plain, nf4):
+        assert done.stderr.count("no --save: the trained adapter is not saved") == 1, \
+            done.stderr[-3000:]

@@ -61,18 +61,24 @@ def reference(gen):
     return _transformers_generate(gen)
 
 
-@pytest.mark.parametrize("flags,nproc", [
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-    (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4),
+@pytest.mark.parametrize("flags,nproc,to_file", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, True),
+    (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4, False),
 ], ids=["TP2+SP", "PP2xEP2"])
-def test_greedy_generate_matches_transformers_peft(gen, reference, flags, nproc, tmp_path):
+def test_greedy_generate_matches_transformers_peft(gen, reference, flags, nproc, to_file,
+                                                   tmp_path):
+    """(PP2xEP2 without --out: the completions come on stdout, once, from rank 0.)"""
     out = str(tmp_path / "out.jsonl")
     proc = S.cli("generate", "--load", gen["mcore"], "--adapter", gen["run"], "--tokenizer",
-                 gen["tok"], "--prompts", gen["prompts"], "--out", out, "--max-new-tokens",
-                 str(NEW_TOKENS), *flags, nproc=nproc)
+                 gen["tok"], "--prompts", gen["prompts"], *(["--out", out] if to_file else []),
+                 "--max-new-tokens", str(NEW_TOKENS), *flags, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ms per token" in proc.stderr
-    rows = [json.loads(line) for line in open(out)]
+    if to_file:
+        rows = [json.loads(line) for line in open(out)]
+    else:
+        assert not os.path.exists(out)
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["token_ids"] for r in rows] == [new for _, new, _ in reference]
     assert [r["completion"] for r in rows] == [text for _, _, text in reference]
     for row, prompt in zip(rows, PROMPTS):  # the prompt's own fields come back with the result

@@ -41,3 +41,43 @@ def test_main_installs_the_filters(monkeypatch, capsys):
     assert main(["convert", "hf-to-mcore", "--hf-dir", "/nonexistent/hf", "--save",
                  "/nonexistent/out", "--no-progress"]) == 2
     assert calls == [1]
+
+
+def test_checkpoint_reader_deprecations_and_bitsandbytes_notice_are_dropped(monkeypatch, caplog):
+    """The two FutureWarnings of every --load (megatron's checkpoint reader on torch's DCP) and
+    bitsandbytes' logged notice that the optional `kernels` package is absent."""
+    import logging
+
+    monkeypatch.setattr(sys, "warnoptions", [])
+    monkeypatch.delenv("RANK", raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert quiet.quiet_known_warnings()
+        warnings.warn("`load_state_dict` is deprecated and will be removed in future versions. "
+                      "Please use `load` instead.", FutureWarning)
+        warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.",
+                      FutureWarning)
+        warnings.warn("something else is deprecated", FutureWarning)
+    assert [str(w.message) for w in seen] == ["something else is deprecated"]
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please "
+                       "make sure you already `pip install kernels`", "No module named 'kernels'")
+        logger.warning("another bitsandbytes notice")
+    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes notice"]
+
+
+def test_deprecations_are_said_by_rank_0_only(monkeypatch):
+    monkeypatch.setattr(sys, "warnoptions", [])
+    shown = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet.quiet_known_warnings()
+            warnings.warn("old API", FutureWarning)
+            warnings.warn("older API", DeprecationWarning)
+            warnings.warn("this rank's own problem", UserWarning)
+        shown[rank] = [str(w.message) for w in seen]
+    assert shown == {"0": ["old API", "older API", "this rank's own problem"],
+                     "1": ["this rank's own problem"]}

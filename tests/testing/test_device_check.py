@@ -94,7 +94,7 @@ def clean_run(tiny):
          "--prompts", "prompts.jsonl", "--out", "sampled.jsonl", "--max-new-tokens", "3",
          "--temperature", "0.7"],
         ["logits", "--load", "mcore", "--adapter", "runs/dora", "--tokens", "tokens.json",
-         "--out", "logits.pt"],
+         "--out", "logits.safetensors"],
         ["export", "peft", "--adapter", "runs/grouped", "--load-hf", "hf", "--save", "peft"],
         ["export", "hf", "--load", "mcore", "--adapter", "runs/dora", "--merge",
          "--save", "merged", "--no-progress"],

@@ -118,6 +118,14 @@ def test_the_config_megatron_gets_is_mla_with_transformers_yarn():
 @pytest.mark.parametrize("change,message", [
     (dict(norm_topk_prob=False), "field norm_topk_prob=false with num_experts_per_tok=4"),
     (dict(topk_group=1), "field topk_group=1 (n_group=4, num_experts_per_tok=4)"),
+    # top-k / topk_group = 1: megatron scores a group by its best expert, transformers by its
+    # top 2 (sigmoid group routing; DeepSeek-V2's group_limited_greedy at 1 is accepted)
+    (dict(num_experts_per_tok=2), "field topk_group=2 (n_group=4, num_experts_per_tok=2)"),
+    (dict(num_experts_per_tok=1, norm_topk_prob=False, topk_group=1),
+     "field topk_group=1 (n_group=4, num_experts_per_tok=1)"),
+    (dict(num_experts_per_tok=3, topk_group=1),  # 3: a group by its top 3
+     "field topk_group=1 (n_group=4, num_experts_per_tok=3)"),
+    (dict(n_group=8), "field topk_group=2 (n_group=8, num_experts_per_tok=4)"),  # 1 per group
     (dict(scoring_func="softmax"), "field scoring_func='softmax': DeepSeek-V3 routes"),
     (dict(topk_method="greedy"), "field topk_method='greedy': DeepSeek-V3 routes"),
     (dict(V2, norm_topk_prob=True), "field norm_topk_prob=true: transformers 5.24 does not"),

@@ -54,6 +54,16 @@ def adam_step_bound(lrs: Sequence[float], beta1: float = 0.9, beta2: float = 0.9
     return sum(2 * lr * adam_ratio_bound(k + 1, beta1, beta2) for k, lr in enumerate(lrs))
 
 
+def adam_tight_bound(lrs: Sequence[float], terms: int, cancellation: float = 100.0,
+                     dtype: torch.dtype = torch.float32) -> float:
+    """The most by which an element moves between two summation orders where its gradient does
+    NOT nearly cancel: a sum of `terms` terms in `dtype` whose absolute sum is at most
+    `cancellation` times the gradient is rounded by at most terms * u * cancellation relative
+    (rho), which moves Adam's ratio m_hat / sqrt(v_hat) by at most about rho (for rho << 1),
+    so the element by rho * adam_step_bound(lrs)."""
+    return terms * unit_roundoff(dtype) * cancellation * adam_step_bound(lrs)
+
+
 def worst_element(actual: torch.Tensor, expected: torch.Tensor, bound) -> dict:
     """The element where |actual - expected| - bound is largest: its index, values, diff, bound.
     `bound` is a number or a tensor broadcast to the shape (a per-element bound)."""

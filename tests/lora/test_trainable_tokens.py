@@ -274,7 +274,7 @@ def tokens_reference(tmp_path_factory):
 @multirank(world_size=2, timeout=300)
 def test_trained_rows_and_losses_match_the_single_rank_run(layout, tokens_reference):
     """3 steps training the rows of ids 300, 301 (and LoRA on linear_proj) at TP2+SP and PP2 give
-    the single-rank losses (rel 1e-5) and trained rows (1e-5); the rows moved."""
+    the single-rank losses (rel 1e-5) and trained rows (Adam's bounds); the rows moved."""
     import os
 
     directory, ref = tokens_reference
@@ -282,6 +282,8 @@ def test_trained_rows_and_losses_match_the_single_rank_run(layout, tokens_refere
     for step, loss in ref["losses"].items():
         assert losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     assert deltas, "no trainable tokens on this rank"  # PP2: embedding first, output last
-    for name, value in deltas.items():
-        want = ref["deltas"][name]
-        assert (value - want).abs().max().item() <= 1e-5, name
+    # trained by Adam: S.assert_trained_like's bounds (a row element whose gradient cancels may
+    # take a step the other way; the rest move by the rounding of their gradients)
+    from tests.training import _support as S
+
+    S.assert_trained_like(deltas, ref["deltas"], S.optim(3).lr, 3, layout.describe())

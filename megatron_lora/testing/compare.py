@@ -64,6 +64,19 @@ def adam_tight_bound(lrs: Sequence[float], terms: int, cancellation: float = 100
     return terms * unit_roundoff(dtype) * cancellation * adam_step_bound(lrs)
 
 
+def gradient_bound(reference: torch.Tensor, terms: int, cancellation: float = 100.0,
+                   lam: float = 6.0) -> float:
+    """The most by which two summation orders of an fp32 gradient differ element-wise with
+    probability >= 1 - 2 exp(-lam**2 / 2) (3e-8 per element for lam = 6; Higham and Mary, A New
+    Approach to Probabilistic Rounding Error Analysis, SIAM J. Sci. Comput. 41(5), 2019: the
+    error of a sum of n terms is at most lam sqrt(n) u times their absolute sum, where
+    sum_rounding_bound's worst case has n): each element sums at most `terms` terms along its
+    chain, whose absolute values add up to at most `cancellation` times the reference's
+    largest element."""
+    scale = cancellation * float(reference.detach().abs().max())
+    return 2 * lam * math.sqrt(terms) * unit_roundoff(torch.float32) * scale
+
+
 def worst_element(actual: torch.Tensor, expected: torch.Tensor, bound) -> dict:
     """The element where |actual - expected| - bound is largest: its index, values, diff, bound.
     `bound` is a number or a tensor broadcast to the shape (a per-element bound)."""
@@ -105,10 +118,11 @@ def assert_adam_trained_close(actual: Dict[str, torch.Tensor], expected: Dict[st
 
     Every element is within `adam_step_bound(lrs)`: no summation order moves an element further.
     Within each tensor, at most 1 + numel // 1000 single elements may exceed `tight` (the bound
-    for an element whose gradient is well above its rounding error, which the caller derives):
-    a gradient cancels to within fp32 rounding (relative ~1e-6 of its terms) for about one
-    element in 10^4 per step, where a wrong gradient, reduction or shard moves most elements of
-    a tensor by whole steps."""
+    for an element whose gradient is well above its rounding error, which the caller derives,
+    e.g. adam_tight_bound): going over it takes a gradient cancelled to well under 1/100 of its
+    terms' absolute sum AND rounded near the worst case n u, where rounding is typically of
+    sqrt(n) u (see gradient_bound), so single elements at most; a wrong gradient, reduction or
+    shard moves most elements of a tensor by whole steps."""
     assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
     drift = adam_step_bound(lrs)
     for name in sorted(expected):

@@ -113,13 +113,14 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound,
 
 
 def assert_adam_trained_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor],
-                              lrs: Sequence[float], tight: float, what: str = "adapter") -> None:
+                              lrs: Sequence[float], tight, what: str = "adapter") -> None:
     """Adam-trained tensors {name: tensor} of a run at another layout against the reference run's.
 
     Every element is within `adam_step_bound(lrs)`: no summation order moves an element further.
     Within each tensor, at most 1 + numel // 1000 single elements may exceed `tight` (the bound
     for an element whose gradient is well above its rounding error, which the caller derives,
-    e.g. adam_tight_bound): going over it takes a gradient cancelled to well under 1/100 of its
+    e.g. adam_tight_bound; a number, or a function of the expected tensor giving per-element
+    bounds): going over it takes a gradient cancelled to well under 1/100 of its
     terms' absolute sum AND rounded near the worst case n u, where rounding is typically of
     sqrt(n) u (see gradient_bound), so single elements at most; a wrong gradient, reduction or
     shard moves most elements of a tensor by whole steps."""
@@ -128,7 +129,7 @@ def assert_adam_trained_close(actual: Dict[str, torch.Tensor], expected: Dict[st
     for name in sorted(expected):
         a, e = actual[name], expected[name]
         assert_within(a, e, drift, f"{what} {name} (Adam bound: 2 x lr x |m/sqrt(v)| per step)")
-        worst = worst_element(a, e, tight)
+        worst = worst_element(a, e, tight(e) if callable(tight) else tight)
         allowed = 1 + e.numel() // 1000
         if worst["over"] > allowed:
             raise AssertionError(describe(f"{what} {name}: more than {allowed} elements over the "

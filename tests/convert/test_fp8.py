@@ -22,6 +22,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize
 from megatron_lora.convert import fp8
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_files import HFCheckpoint
+from megatron_lora.testing import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
@@ -50,6 +51,13 @@ def _pair(shape, block, seed=0, scale_dtype=torch.float32):
 
 def _bits(t):
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _same_bits(got, want, what):
+    """Bit for bit; else fail naming the worst element (NaN codes equal where both are NaN)."""
+    if not torch.equal(_bits(got), _bits(want)):
+        compare.assert_within(got, want, 0, what)
+        raise AssertionError(f"{what}: equal values, other bits (the sign of a zero)")
 
 
 def _theirs_edge(q, s, block, dtype):
@@ -87,6 +95,34 @@ def test_edge_blocks_equal_transformers_bit_for_bit(shape, block, dtype):
     s2 = s.clone()
     s2[..., -1, -1] *= 2
     assert not torch.equal(_bits(ours), _bits(_theirs_edge(q, s2, block, dtype)))
+
+
+@pytest.mark.parametrize("shape,block", [((300, 256), (128, 128)), ((2, 80, 90), (32, 32))],
+                         ids=["300x256@128", "2x80x90@32"])
+def test_row_chunks_that_are_not_block_multiples_change_nothing(shape, block):
+    """Chunks of 1, 48, 100, 129 and 200 rows (rounded down to whole blocks, so that a chunk never
+    starts inside a block whose scale row it would miss) give transformers' result bit for bit;
+    several chunks per tensor, the last one partial, as the edge blocks are."""
+    q, s = _pair(shape, block, seed=3)
+    want = _theirs_edge(q, s, block, torch.bfloat16)
+    for rows in (1, 48, 100, 129, 200):
+        got = fp8.dequantize(q, s, block, torch.bfloat16, rows_per_chunk=rows)
+        _same_bits(got, want, f"{list(shape)} in chunks of {rows} rows")
+
+
+def test_checkpoint_reads_in_several_default_chunks(tmp_path, monkeypatch):
+    """FP8Checkpoint.read's default chunk (CHUNK_BYTES of fp32) made 100 rows of a 300 x 256
+    tensor: the whole tensor and boxes read in several chunks equal transformers' result."""
+    block, shape = (128, 128), (300, 256)
+    q, s = _pair(shape, block, seed=4)
+    save_file({"w.weight": q, "w.weight_scale_inv": s}, str(tmp_path / "model.safetensors"))
+    view = fp8.FP8Checkpoint(HFCheckpoint(str(tmp_path)), {"w.weight": "w.weight_scale_inv"},
+                             block, torch.float32)
+    monkeypatch.setattr(fp8, "CHUNK_BYTES", 4 * shape[1] * 100)  # 100 rows: not whole blocks
+    whole = _theirs_edge(q, s, block, torch.float32)
+    for rows in (slice(None), slice(5, 290), slice(100, 300)):
+        box = view.read("w.weight", (rows,))
+        _same_bits(box, whole[rows], f"rows {rows} read in chunks of 100 rows")
 
 
 def test_a_box_reads_only_its_blocks_and_equals_the_whole(tmp_path):

@@ -104,6 +104,14 @@ def test_the_router_config_megatron_gets_freezes_the_expert_bias():
     (dict(num_experts_per_tok=1, n_group=1, topk_group=1),
      "field norm_topk_prob=true with num_experts_per_tok=1"),
     (dict(topk_group=1), "field topk_group=1 (n_group=4, num_experts_per_tok=4)"),
+    # top-k / topk_group = 1: megatron scores a group by its best expert, transformers by its
+    # top 2 (sigmoid group routing; DeepSeek-V2's group_limited_greedy at 1 is accepted)
+    (dict(num_experts_per_tok=2), "field topk_group=2 (n_group=4, num_experts_per_tok=2)"),
+    (dict(num_experts_per_tok=1, norm_topk_prob=False, topk_group=1),
+     "field topk_group=1 (n_group=4, num_experts_per_tok=1)"),
+    (dict(num_experts_per_tok=3, topk_group=1),  # 3: a group by its top 3
+     "field topk_group=1 (n_group=4, num_experts_per_tok=3)"),
+    (dict(n_group=8), "field topk_group=2 (n_group=8, num_experts_per_tok=4)"),  # 1 per group
     (dict(n_group=3), "field 'n_group' must divide the 8 experts"),
     (dict(topk_group=5), "field 'topk_group' must be at most n_group=4"),
     (dict(partial_rotary_factor=0.1), "field 'partial_rotary_factor' must give an even rotary"),

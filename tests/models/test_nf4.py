@@ -68,3 +68,27 @@ def test_shards_are_slices_of_the_round_trip(weights):
 def test_refuses_widths_that_split_blocks():
     with pytest.raises(ValueError, match="multiple of 64"):
         N.quantize_parts(torch.randn(4, 96))
+
+
+# Row-parallel column shards at real widths: 768 columns (Qwen3-30B-A3B's expert down projection
+# input, 12 blocks per row), 2880 (GPT-OSS, 45) and 14336 (Mixtral, 224). A row's block count does
+# not divide 256 there, so a second-level group spans rows and a shard's first block in the
+# row-major part depends on its first column; at 128 columns (2 blocks per row) it does not.
+# Enough rows for 3+ groups; rows scaled 0.01..1 so the groups' scales differ widely.
+@pytest.mark.parametrize("cols,rows,shards", [(768, 48, (2, 4, 12)), (2880, 12, (5, 9, 45)),
+                                              (14336, 3, (2, 7, 8))])
+def test_column_shards_at_real_widths_are_slices_of_the_round_trip(cols, rows, shards):
+    from megatron_lora.testing.compare import assert_within
+
+    g = torch.Generator().manual_seed(cols)
+    w = torch.randn(rows, cols, generator=g) * torch.linspace(0.01, 1.0, rows).unsqueeze(1)
+    packed = N.quantize_parts(w)
+    assert packed.scale2.numel() >= 3
+    whole = bnb_round_trip(w)
+    for n in shards:
+        width = cols // n
+        for rank in range(n):
+            first = rank * width
+            assert_within(N.dequantize(packed.columns(first, width)),
+                          whole[:, first:first + width], 0,  # bit for bit: the same arithmetic
+                          f"{cols} columns, shard {rank} of {n} (columns {first}:{first + width})")

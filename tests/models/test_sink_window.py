@@ -3,10 +3,12 @@
 The reference is transformers 5.24's `eager_attention_forward` for gpt_oss (the sink as an
 extra softmax column, scores materialised) with the masks transformers makes for GPT-OSS
 (`create_causal_mask` / `create_sliding_window_causal_mask`, packed samples found from
-position_ids that restart per sample). fp32; forward and the gradients of q, k, v and the sinks
-agree to 1e-6. Controls show that each check sees a missing sink, a missing window and a
-packed-sample leak. A TP2 world checks that each rank's sinks are its heads' slice and are
-checkpointed as megatron's DotProductAttention's `softmax_offset` (global [heads], axis 0).
+position_ids that restart per sample). Compared in fp64, ours and theirs both (the comparison
+then does not depend on either's summation order; ATOL below says why it holds); forward and
+the gradients of q, k, v and the sinks agree to ATOL. Controls show that each check sees a
+missing sink, a missing window and a packed-sample leak. A TP2 world checks that each rank's
+sinks are its heads' slice and are checkpointed as megatron's DotProductAttention's
+`softmax_offset` (global [heads], axis 0).
 """
 
 from types import SimpleNamespace
@@ -23,16 +25,26 @@ from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 from megatron_lora.data.packing import inputs_labels_mask
 from megatron_lora.models.attention import SDPAttention
 from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing import compare
 from tests.harness import multirank
 
 HEADS, GROUPS, DIM, WINDOW = 4, 2, 8, 5
-ATOL = 1e-6
+DTYPE = torch.float64
+# Every compared element (outputs, gradients of q, k, v and the sinks) is a sum of at most
+# 2 x 16 x 16 terms (2 heads per group x 16 queries x 16 keys and the sink) whose absolute
+# values add up to well under 1e5 (inputs N(0, 1) under 6 in size, probabilities <= 1,
+# |dP| <= 8 x 6 x 6, scale 1/sqrt(8)): two orders differ by at most 2 x 512 x 2**-53 x 1e5
+# = 1.1e-8 (compare.sum_rounding_bound). In fp32 the same bound is 6: too loose to see
+# anything, and a measured 1e-6 failed on another machine. A missing sink, window or
+# packed-sample boundary moves the output by > 0.05 (the controls).
+ATOL = compare.sum_rounding_bound(DTYPE, terms=2 * 16 * 16, abs_sum=1e5)
 
 
 def _config(softmax_type="learnable", window=WINDOW, **kw):
     return TransformerConfig(
         num_layers=2, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
         num_query_groups=GROUPS, kv_channels=DIM, softmax_type=softmax_type, attention_dropout=0.0,
+        params_dtype=kw.pop("params_dtype", DTYPE),
         window_size=None if window is None else (window - 1, 0), window_attn_skip_freq=2, **kw)
 
 
@@ -43,16 +55,16 @@ def _attention(layer_number=1, tp=1, **kw):
                         pg_collection=SimpleNamespace(tp=group))
 
 
-def _qkv(b, s, seed=0):
+def _qkv(b, s, seed=0, dtype=DTYPE):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(s, b, HEADS, DIM, generator=g)
-    k = torch.randn(s, b, GROUPS, DIM, generator=g)
-    v = torch.randn(s, b, GROUPS, DIM, generator=g)
+    q = torch.randn(s, b, HEADS, DIM, generator=g, dtype=dtype)
+    k = torch.randn(s, b, GROUPS, DIM, generator=g, dtype=dtype)
+    v = torch.randn(s, b, GROUPS, DIM, generator=g, dtype=dtype)
     return q, k, v
 
 
 def _sinks(n=HEADS):
-    return torch.tensor([1.5, -0.7, 0.3, 2.2][:n])
+    return torch.tensor([1.5, -0.7, 0.3, 2.2][:n], dtype=DTYPE)
 
 
 def _hf_mask(b, s, window, position_ids):
@@ -60,8 +72,9 @@ def _hf_mask(b, s, window, position_ids):
                           hidden_size=HEADS * DIM, sliding_window=window)
     config._attn_implementation = "eager"
     make = create_causal_mask if window is None else create_sliding_window_causal_mask
-    return make(config=config, inputs_embeds=torch.zeros(b, s, HEADS * DIM), attention_mask=None,
-                cache=None, position_ids=position_ids, allow_is_causal_skip=False)
+    return make(config=config, inputs_embeds=torch.zeros(b, s, HEADS * DIM, dtype=DTYPE),
+                attention_mask=None, cache=None, position_ids=position_ids,
+                allow_is_causal_skip=False)
 
 
 def _hf(q, k, v, sinks, window, position_ids=None):
@@ -92,7 +105,8 @@ def test_sinks_and_window_match_transformers_forward_and_backward(layer_number, 
     with torch.no_grad():
         attention.softmax_offset.copy_(_sinks())
     q, k, v = _qkv(b, s)
-    grad_out = torch.randn(s, b, HEADS * DIM, generator=torch.Generator().manual_seed(3))
+    grad_out = torch.randn(s, b, HEADS * DIM, generator=torch.Generator().manual_seed(3),
+                           dtype=DTYPE)
 
     ours = _leaves(q, k, v)
     out = _ours(attention, *ours)
@@ -108,7 +122,7 @@ def test_sinks_and_window_match_transformers_forward_and_backward(layer_number, 
     assert theirs[3].grad.abs().min() > 1e-3  # the sinks do get a gradient
 
     with torch.no_grad():  # controls: without the sinks, or with the other layer kind
-        no_sink = _hf(q, k, v, torch.full((HEADS,), -1e4), window)
+        no_sink = _hf(q, k, v, torch.full((HEADS,), -1e4, dtype=DTYPE), window)
         other = _hf(q, k, v, _sinks(), None if window else WINDOW)
     assert (out - no_sink).abs().max() > 0.05
     assert (out - other).abs().max() > 0.05
@@ -124,13 +138,14 @@ def test_value_heads_of_another_size_with_sinks_and_window():
     with torch.no_grad():
         attention.softmax_offset.copy_(_sinks())
     q, k, _ = _qkv(b, s)
-    v = torch.randn(s, b, GROUPS, dv, generator=torch.Generator().manual_seed(4))
+    v = torch.randn(s, b, GROUPS, dv, generator=torch.Generator().manual_seed(4), dtype=DTYPE)
     ours = _leaves(q, k, v)
     out = _ours(attention, *ours)
     assert out.shape == (s, b, HEADS * dv)
     theirs = _leaves(q, k, v)
     ref = _hf(*theirs, _sinks(), WINDOW)
-    grad_out = torch.randn(s, b, HEADS * dv, generator=torch.Generator().manual_seed(5))
+    grad_out = torch.randn(s, b, HEADS * dv, generator=torch.Generator().manual_seed(5),
+                           dtype=DTYPE)
     out.backward(grad_out)
     ref.backward(grad_out)
     torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
@@ -158,7 +173,8 @@ def test_packed_samples_keep_their_own_window_and_sinks():
     ours, theirs = _leaves(q, k, v), _leaves(q, k, v, _sinks())
     out = _ours(attention, *ours, mask)
     ref = _hf(*theirs[:3], theirs[3], WINDOW, position_ids)
-    grad_out = torch.randn(s, b, HEADS * DIM, generator=torch.Generator().manual_seed(4))
+    grad_out = torch.randn(s, b, HEADS * DIM, generator=torch.Generator().manual_seed(4),
+                           dtype=DTYPE)
     out.backward(grad_out)
     ref.backward(grad_out)
     torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
@@ -189,8 +205,9 @@ def test_cache_steps_and_off_by_one():
             torch.testing.assert_close(step, full[-m:], rtol=0, atol=ATOL)
         fixed = _attention(1, softmax_type="off-by-one")
         assert fixed.softmax_offset is None
-        torch.testing.assert_close(_ours(fixed, q, k, v), _hf(q, k, v, torch.zeros(HEADS),
-                                                              WINDOW), rtol=0, atol=ATOL)
+        zero = torch.zeros(HEADS, dtype=DTYPE)
+        torch.testing.assert_close(_ours(fixed, q, k, v), _hf(q, k, v, zero, WINDOW), rtol=0,
+                                   atol=ATOL)
 
 
 class _Ops(TorchDispatchMode):
@@ -207,8 +224,8 @@ def test_nothing_of_size_heads_s_s_is_kept_for_backward():
     """The fused kernel runs (no softmax op, no [b, heads, s, s] scores); every tensor saved for
     backward is smaller than the scores would be; the mask is shared by layers of one kind."""
     b, s = 2, 48
-    attention, other = _attention(1), _attention(3)
-    q, k, v = _leaves(*_qkv(b, s))
+    attention, other = (_attention(n, params_dtype=torch.float32) for n in (1, 3))
+    q, k, v = _leaves(*_qkv(b, s, dtype=torch.float32))
     saved = []
     ops = _Ops()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):

@@ -13,6 +13,11 @@ SEQ = 32
 # Trainable: a TP-sharded linear, an expert linear (expert-DP reduction) and the norms (replicated;
 # summed over TP under SP by finalize_model_grads): every gradient path of the loop.
 TRAINABLE = ("linear_proj", "linear_fc2", "input_layernorm")
+# The terms a trained tensor's gradient accumulates along its longest chain (fp32): the 4 x SEQ
+# tokens of a step, the vocabulary's softmax, and per layer the hidden columns, the widest
+# projection (the FFN) and SEQ keys: 1280
+CHAIN = 4 * SEQ + SHAPE.vocab_size + SHAPE.num_layers * (SHAPE.hidden_size +
+                                                         SHAPE.ffn_hidden_size + SEQ)
 
 
 def dataset(seed: int = 5, samples: int = 48) -> PackedDataset:
@@ -92,3 +97,18 @@ def _global_prefix(name, module) -> dict:
             t = torch.cat(parts, dim=p.partition_dim)
         out[f"{name}.{pname}"] = t.clone()
     return out
+
+
+def assert_trained_like(final: dict, reference: dict, lr: float, steps: int, what: str) -> None:
+    """Tensors {name: tensor} trained by Adam (`steps` steps, peak learning rate `lr`; warm-up
+    and decay only lower it) at another layout against the one-rank run's: every element within
+    Adam's bound (2 x lr x |m/sqrt(v)| per step, a gradient that cancels to within its rounding
+    may go either way), all but rare single elements per tensor within the bound for
+    gradients that do not nearly cancel (CHAIN x u x 100 relative rounding, as much on Adam's
+    ratio); see megatron_lora/testing/compare.py. A wrong gradient, reduction or shard moves
+    most elements of a tensor by whole steps."""
+    from megatron_lora.testing import compare
+
+    lrs = [lr] * steps
+    compare.assert_adam_trained_close(final, {n: reference[n] for n in final}, lrs,
+                                      compare.adam_tight_bound(lrs, CHAIN), what)

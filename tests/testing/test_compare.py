@@ -1,0 +1,60 @@
+"""megatron_lora/testing/compare.py: the bounds' values and what a failure says."""
+
+import pytest
+import torch
+
+from megatron_lora.testing import compare
+
+
+def test_adam_ratio_is_one_at_the_first_step_and_bounded_after():
+    # step 1: m_hat / sqrt(v_hat) = g / |g|; Cauchy-Schwarz over the moments' weights after
+    assert compare.adam_ratio_bound(1) == pytest.approx(1.0)
+    assert compare.adam_ratio_bound(2) == pytest.approx(1.0013579, rel=1e-6)
+    assert compare.adam_step_bound([2e-2] * 3) == pytest.approx(0.1202, rel=1e-3)
+    # the bound is reached: a gradient history that follows the weights' ratio a_k / c_k
+    b1, b2, t = 0.9, 0.999, 3
+    a = [(1 - b1) * b1 ** (t - k) / (1 - b1 ** t) for k in range(1, t + 1)]
+    c = [(1 - b2) * b2 ** (t - k) / (1 - b2 ** t) for k in range(1, t + 1)]
+    g = [x / y for x, y in zip(a, c)]
+    ratio = sum(x * y for x, y in zip(a, g)) / sum(y * z * z for y, z in zip(c, g)) ** 0.5
+    assert ratio == pytest.approx(compare.adam_ratio_bound(t))
+
+
+def test_rounding_bounds():
+    assert compare.unit_roundoff(torch.float32) == 2 ** -24
+    assert compare.sum_rounding_bound(torch.float64, 4, 2.0) == 2 * 4 * 2 ** -53 * 2.0
+    # any two orders of a real sum stay within the bound
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    orders = [x.sum(), x.flip(0).sum(), x.sort().values.sum(), x.double().sum().float()]
+    bound = compare.sum_rounding_bound(torch.float32, 1000, float(x.abs().sum()))
+    assert max(abs(float(a - b)) for a in orders for b in orders) <= bound
+
+
+def test_a_failure_names_the_worst_element_its_index_and_the_bound():
+    want = torch.zeros(3, 4)
+    got = want.clone()
+    got[1, 2], got[2, 0] = 5e-3, 2e-3
+    with pytest.raises(AssertionError, match=r"w: worst element \[1, 2\]: 0\.00499.*vs expected 0, "
+                                             r"\|diff\| 5\.000e-03 > bound 1\.000e-03 \(2 of 12"):
+        compare.assert_within(got, want, 1e-3, "w")
+    compare.assert_within(got, want, 5e-3, "w")
+    nan = torch.tensor([float("nan"), 1.0])
+    compare.assert_within(nan, nan.clone(), 0)  # NaN where both are NaN
+    with pytest.raises(AssertionError, match=r"worst element \[0\]: nan"):
+        compare.assert_within(nan, torch.ones(2), 1.0)
+
+
+def test_trained_tensors_allow_single_elements_up_to_adams_bound_only():
+    lrs = [2e-2] * 3
+    want = {"a": torch.zeros(10, 10)}
+    one = {"a": want["a"].clone()}
+    one["a"][3, 4] = 0.1  # one element whose gradient cancelled: within Adam's 0.12
+    compare.assert_adam_trained_close(one, want, lrs, tight=1e-4)
+    far = {"a": one["a"].clone()}
+    far["a"][3, 4] = 0.2
+    with pytest.raises(AssertionError, match=r"a \(Adam bound.*worst element \[3, 4\]"):
+        compare.assert_adam_trained_close(far, want, lrs, tight=1e-4)
+    row = {"a": want["a"].clone()}
+    row["a"][5] = 1e-2  # a whole row half a step off: a wrong gradient, not rounding
+    with pytest.raises(AssertionError, match=r"more than 1 elements over the tight bound"):
+        compare.assert_adam_trained_close(row, want, lrs, tight=1e-4)

@@ -201,20 +201,21 @@ def check_family(directory: str, family: str, device, record) -> None:
         json.dump(TOKENS, f)
     with open(os.path.join(out, "prompts.jsonl"), "w") as f:
         f.write(json.dumps({"prompt": "The capital of France is"}) + "\n")
-    done = {}
+    models = {}  # the PEFT model, for generate
+    done = {}  # part -> whether it ran to its comparison (what later parts need)
 
     def part(name, fn, needs=()):
         if any(not done.get(n) for n in needs):
-            record(family, name, False, f"skipped: needs {', '.join(needs)}")
+            record(family, name, False, f"skipped: {', '.join(needs)} did not run")
             return
         started = time.time()
         try:
             with _limit(PART_SECONDS):
                 ok, detail = fn()
+            done[name] = True
         except Exception as exc:  # noqa: BLE001 - a failed part is a row, never the end
             ok, detail = False, f"{type(exc).__name__}: {str(exc)[-600:]}"
             traceback.print_exc()
-        done[name] = ok
         record(family, name, ok, f"{detail} ({time.time() - started:.1f} s)")
 
     def convert():
@@ -254,7 +255,7 @@ def check_family(directory: str, family: str, device, record) -> None:
         with torch.no_grad():
             theirs = model(torch.tensor(TOKENS, device=device)).logits.float()
         ok, diff = _logits_close(_logits_file(os.path.join(out, "lora_logits.safetensors")), theirs)
-        done["_peft_model"] = model
+        models["peft"] = model
         return ok, f"PEFT loaded it; max |diff| {diff:.2e} vs logits --adapter"
 
     def generate():
@@ -268,7 +269,7 @@ def check_family(directory: str, family: str, device, record) -> None:
         tok = AutoTokenizer.from_pretrained(os.path.join(out, "hf"))
         ids = tok("The capital of France is", return_tensors="pt").input_ids.to(device)
         with torch.no_grad():
-            theirs = done["_peft_model"].generate(input_ids=ids, do_sample=False,
+            theirs = models["peft"].generate(input_ids=ids, do_sample=False,
                                                   max_new_tokens=NEW_TOKENS)[0, ids.shape[1]:]
         ours_ids, theirs_ids = ours["token_ids"], theirs.tolist()
         # Both stop at the end-of-sequence id (kept); transformers may pad after it.
@@ -280,7 +281,7 @@ def check_family(directory: str, family: str, device, record) -> None:
     part("logits", logits)
     part("peft", peft, needs=("train lora",))
     part("generate", generate, needs=("peft",))
-    done.pop("_peft_model", None)
+    models.clear()
 
 
 def run(directory: str, names: list, device_name: str) -> int:

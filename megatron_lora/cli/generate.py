@@ -5,10 +5,10 @@
         --sequence-parallel --prompts prompts.jsonl --max-new-tokens 128 --out out.jsonl
 
 --prompts: JSONL, {"prompt": text} or {"messages": [...]} (the tokenizer's chat template) per
-line. --out (default `-`, stdout): JSONL, one object per prompt: its fields plus "completion" (the decoded new text,
-special tokens dropped) and "token_ids" (the generated ids, with the EOS id when generation
-stopped there, as transformers' generate returns them). Greedy by default (--temperature 0);
-with --temperature > 0 tokens are drawn (--top-k, --top-p, --seed). A KV cache keeps the time per
+line. --out (default `-`: stdout, from rank 0): JSONL, one object per prompt: its fields plus
+"completion" (the decoded new text, special tokens dropped) and "token_ids" (the generated ids,
+with the EOS id when generation stopped there, as transformers' generate returns them). Greedy
+by default (--temperature 0); with --temperature > 0 tokens are drawn (--top-k, --top-p, --seed). A KV cache keeps the time per
 token flat as the output grows (megatron_lora.inference.generate). Every input is checked on
 every rank before the first collective.
 """

@@ -36,7 +36,8 @@ VERSIONED = {
     "static_kv_cache": ["tests/inference/test_generate.py"],
     # the grad norm at expert-TP != TP (the three layouts that failed on 0.16.1 before the fix)
     "filter_expert_duplicates_over_expert_tp": [
-        "tests/training/test_gradients.py::test_a_step_applies_the_clipped_gradient_of_the_global_mean_loss",
+        "tests/training/test_gradients.py::"
+        "test_a_step_applies_the_clipped_gradient_of_the_global_mean_loss",
     ],
     # GroupedMLP is not used; the grouped path is ours (SequentialMLP under it)
     "not used: SequentialMLP only": [

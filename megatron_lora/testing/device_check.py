@@ -27,11 +27,13 @@ step pass every CPU test. While a `DeviceCheck` is active:
   site and the training step it belongs to (`steps`, counted by calls of the training step).
 
 Not seen: code that autograd's engine runs during backward (torch applies no TorchFunctionMode
-there; megatron's DDP hooks copy the gradients it makes into device buffers).
+there, so its tensors and collectives go unchecked; megatron's DDP hooks copy the gradients it
+makes into device buffers).
 
 `python -m megatron_lora.testing.device_check REPORT.json [--setup MOD:FN] -- CMD ... [--then
 CMD ...]` runs `megatron-lora` commands (or a script: CMD = path/to/script.py ARGS) in one
-process under the check and writes what it saw.
+process under the check and writes what it saw; under torchrun each rank does (one command per
+launch), writing REPORT.json.rankN.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ _CROSSING = {torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.__getitem__,
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
                 "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
                 "reduce_scatter", "all_to_all_single", "all_to_all", "reduce", "send", "recv",
-                "isend", "irecv", "gather", "scatter")
+                "gather", "scatter", "batch_isend_irecv")
+# (isend / irecv stay as they are: P2POp accepts those very functions only; batch_isend_irecv
+# is checked through its ops' tensors.)
 
 
 def _is_descriptor(func, descriptor, method: str) -> bool:
@@ -282,11 +286,15 @@ class DeviceCheck(TorchFunctionMode):
         check = self
 
         def collective(*args, **kwargs):
+            if not check._active():  # inside autograd's backward: its tensors are not tracked
+                return original(*args, **kwargs)
             group = kwargs.get("group")
             if group is None:
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             if group is None or group not in check._host_groups:
                 tensors = _tensors(args, []) + _tensors(kwargs, [])
+                if name == "batch_isend_irecv":  # [P2POp]: each op's tensor, on its group
+                    tensors = [op.tensor for op in args[0]]
                 host = [tuple(t.shape) for t in tensors if check.is_host(t)]
                 if host:
                     check._fail(f"torch.distributed.{name} of host tensors {host} on a device "
@@ -296,12 +304,17 @@ class DeviceCheck(TorchFunctionMode):
 
         return collective
 
+    def _active(self) -> bool:
+        from torch.overrides import _get_current_function_mode_stack
+
+        return any(mode is self for mode in _get_current_function_mode_stack())
+
     def _wrap_new_group(self, original):
         check = self
 
         def new_group(*args, **kwargs):
             group = original(*args, **kwargs)
-            if kwargs.get("backend") == "gloo" and group is not None:
+            if kwargs.get("backend") == "gloo" and isinstance(group, dist.ProcessGroup):
                 check._host_groups.add(group)
             return group
 
@@ -404,7 +417,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             getattr(importlib.import_module(module), fn)()
         for index, command in enumerate(commands):
             check.start_command(index)
-            os.environ["MASTER_PORT"] = str(_free_port())
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # alone: a fresh port a command
+                os.environ["MASTER_PORT"] = str(_free_port())
             try:
                 if command and command[0].endswith(".py"):  # a script, run as __main__
                     import runpy
@@ -423,7 +437,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 check.errors.append(f"command {index} raised {type(exc).__name__}: {exc}")
                 code = 1
             codes.append(code)
-    with open(opts.report, "w") as f:
+    report = opts.report
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: a report per rank
+        report = f"{report}.rank{os.environ.get('RANK', '0')}"
+    with open(report, "w") as f:
         json.dump(dict(check.report(), commands=commands, exit_codes=codes), f, indent=1)
     return 0 if not check.errors and not any(codes) else 1
 

@@ -160,3 +160,36 @@ def test_each_first_gpu_bug_is_caught(tiny, bug, expected):
     assert result["exit_codes"] != [0], out[-3000:]
     seen = result["errors"] + [out]
     assert any(expected in text for text in seen), (expected, result["errors"], out[-3000:])
+
+
+def _torchrun(tiny, command, report, ranks=2):
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+            "--master-port", str(29700 + os.getpid() % 200), "-m",
+            "megatron_lora.testing.device_check", report, "--", *command]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(argv, cwd=tiny, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    seen = []
+    for rank in range(ranks):
+        with open(f"{report}.rank{rank}") as f:
+            seen.append(json.load(f))
+    return out, seen
+
+
+def test_several_ranks_run_as_on_gpus(tiny):
+    """Two ranks, each checked: training at TP2 with sequence parallelism and EP2 with the
+    all-to-all dispatcher (the LoRA path's TP collectives, megatron's token all-to-all), then
+    generate with that adapter at PP2 (pipeline sends, the chosen token's broadcast)."""
+    train = _train(tiny, "runs/ranks", *LORA, "--tensor-model-parallel-size", "2",
+                   "--sequence-parallel", "--expert-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type",
+                   "alltoall")
+    generate = ["generate", "--load-hf", "hf", "--adapter", "runs/ranks", "--tokenizer", "hf",
+                "--prompts", "prompts.jsonl", "--out", "ranks.jsonl", "--max-new-tokens", "3",
+                "--pipeline-model-parallel-size", "2"]
+    for name, command in (("train", train), ("generate", generate)):
+        out, seen = _torchrun(tiny, command, os.path.join(tiny, f"ranks-{name}.json"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        for rank, report in enumerate(seen):
+            assert report["errors"] == [] and report["exit_codes"] == [0], (name, rank, report)

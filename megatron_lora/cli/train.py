@@ -279,6 +279,7 @@ def _run(args) -> int:
     from megatron_lora.cli.run_config import resolved
     from megatron_lora.cli.train_run import TrainSetupError, run_training
     from megatron_lora.training.interrupt import TrainInterrupted
+    from megatron_lora.training.loop import TrainingDiverged
 
     try:
         # resolved after the setup checks: --adapter replaces the LoRA flags with the adapter's
@@ -294,3 +295,7 @@ def _run(args) -> int:
         if _rank0():
             print(f"megatron-lora train: {exc}", file=sys.stderr, flush=True)
         return 130
+    except TrainingDiverged as exc:  # the same values on every rank: rank 0 says it
+        if _rank0():
+            print(f"megatron-lora train: error: {exc}", file=sys.stderr, flush=True)
+        return 1

@@ -134,3 +134,36 @@ def test_batch_sizes_that_do_not_divide_are_refused_on_every_rank(layout=Paralle
     bad = RunConfig(micro_batch_size=2, global_batch_size=6, seq_length=S.SEQ, train_iters=1)
     with pytest.raises(ValueError, match="not divisible by micro_batch_size\\*data_parallel_size"):
         train([S.model(layout)], S.dataset(), bad, S.optim(1), layout_name=layout.describe())
+
+
+@multirank(world_size=1, timeout=300)
+def test_a_non_finite_loss_stops_training_at_its_iteration(tmp_path, reference,
+                                                            layout=ParallelLayout()):
+    """A loss that is NaN while the gradients are finite (a loss function gone wrong) is found
+    where the losses are read (the log line of iteration 4) and named by its iteration, 3;
+    nothing after iteration 2's checkpoint is saved."""
+    import dataclasses
+
+    from megatron_lora.training import loop
+    from megatron_lora.training.loop import TrainingDiverged
+
+    weights = os.path.join(reference[0], "weights")
+
+    real = loop.forward_backward
+
+    def nan_at_3(*args, iteration, **kwargs):
+        loss = real(*args, iteration=iteration, **kwargs)
+        return loss * float("nan") if iteration == 3 else loss
+
+    loop.forward_backward = nan_at_3
+    save = str(tmp_path / "run")
+    try:
+        with pytest.raises(TrainingDiverged, match="iteration 3: the loss is nan") as caught:
+            run = dataclasses.replace(S.run_config(save, iters=6, save_interval=2),
+                                      log_interval=4)
+            train([S.model(layout, weights)], S.dataset(), run, S.optim(6),
+                  layout_name=layout.describe())
+    finally:
+        loop.forward_backward = real
+    assert "iter_0000002" in str(caught.value)
+    assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == ["iter_0000002"]

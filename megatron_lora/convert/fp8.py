@@ -38,7 +38,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_lora.convert.errors import ConversionError
-from megatron_lora.convert.finite import check_scales
+from megatron_lora.convert.finite import check_finite, check_scales
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -211,6 +211,10 @@ class FP8Checkpoint:
                      os.path.join(self.directory, self.ckpt.tensors[self.weights[name]].file),
                      self.block, [s.start for s in lead + grid])
         data = dequantize(weight, scale, self.block, self.dtype)
+        # a finite scale can still overflow the product (1e38 x 448): inf weights
+        check_finite(data, f"{name} (dequantised)",
+                     os.path.join(self.directory, self.ckpt.tensors[name].file),
+                     [s.start for s in lead] + [rows.start, cols.start])
         box = data[..., r0 - rows.start: r1 - rows.start, c0 - cols.start: c1 - cols.start]
         return box if box.shape == data.shape else box.contiguous()
 

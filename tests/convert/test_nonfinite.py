@@ -51,6 +51,17 @@ def test_a_bad_block_scale_is_refused_naming_the_tensor_and_block(tmp_path, valu
         view.read("w.weight", (slice(290, 300), slice(200, 201)))
 
 
+def test_a_finite_scale_whose_product_overflows_is_refused(tmp_path):
+    codes, s = _finite_pair()
+    codes[200, 130] = 0x7E  # 448, the largest e4m3fn value: 448 x 1e38 overflows to inf
+    s[1, 1] = 1e38
+    view = _view(tmp_path, codes.view(torch.float8_e4m3fn), s)
+    with pytest.raises(ConversionError, match=r"tensor 'w.weight \(dequantised\)' holds \d+ "
+                                              r"non-finite value\(s\) in the part read \(first: "
+                                              r"inf at index \[\d+, \d+\]"):
+        view.read("w.weight", (slice(130, 250), slice(100, 200)))
+
+
 def test_a_nan_fp8_weight_and_a_nan_or_inf_plain_weight_are_refused(tmp_path):
     codes, s = _finite_pair()
     codes[131, 7] = 0xFF  # e4m3fn's -NaN

@@ -109,3 +109,31 @@ def test_convert_of_an_fp8_folder_with_a_nan_scale_exits_2_without_output(fp8_mi
     err = capsys.readouterr().err
     assert f"{shard}: tensor '{name}' holds 1 non-finite value(s)" in err, err
     assert "index [1, 0]" in err and "Traceback" not in err and not os.path.exists(out), err
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1 rank", "TP2"])
+def test_logits_of_a_folder_with_a_nan_weight_exit_non_zero_naming_it(tmp_path, nproc):
+    """`logits --load-hf` reads the weights while the model is built: the rank that reads the
+    NaN stops with the message (at TP2 torchrun then stops the other rank), no logits file."""
+    from tests.convert.tiny import make_tiny_mixtral
+    from tests.export import _support as S
+
+    hf = str(tmp_path / "hf")
+    make_tiny_mixtral(hf, num_hidden_layers=2)
+    index = json.load(open(os.path.join(hf, "model.safetensors.index.json")))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    shard = os.path.join(hf, index["weight_map"][name])
+    tensors = load_file(shard)
+    tensors[name][5, 9] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    tokens = S.write_tokens(str(tmp_path / "tokens.json"), torch.tensor([[1, 2, 3, 4]]))
+    out = str(tmp_path / "logits.safetensors")
+    args = ["logits", "--load-hf", hf, "--tokens", tokens, "--out", out]
+    proc = S.cli(*args, *(["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+                          if nproc == 2 else []),
+                 nproc=nproc)
+    assert proc.returncode != 0 and not os.path.exists(out), proc.stderr[-2000:]
+    assert f"{shard}: tensor '{name}' holds 1 non-finite value(s) in the part read (first: nan " \
+           f"at index [5, 9])" in proc.stderr, proc.stderr[-2000:]
+    if nproc == 1:  # (at TP2, torchrun reports the stopped ranks with its own traceback)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -31,12 +31,14 @@ def bad_mask(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     return bad if bool(bad.any()) else None
 
 
-def first_index(mask: torch.Tensor, offset: Sequence[int] = ()) -> Tuple[int, ...]:
-    """The first True element of `mask` as an index in the whole tensor (`offset`: where the
-    piece starts on each leading axis)."""
-    local = torch.nonzero(mask.reshape(mask.shape) if mask.dim() else mask.reshape(1))[0].tolist()
+def _first(tensor: torch.Tensor, bad: torch.Tensor, offset: Sequence[int]):
+    """(index of the first True of `bad` in the whole tensor, `tensor`'s value there as a
+    float); `offset`: where the piece starts on each leading axis."""
+    flat = int(torch.nonzero(bad.reshape(-1))[0])
+    local = list(torch.unravel_index(torch.tensor(flat), bad.shape)) if bad.dim() else []
     offset = list(offset) + [0] * (len(local) - len(offset))
-    return tuple(int(i) + int(o) for i, o in zip(local, offset))
+    return ([int(i) + int(o) for i, o in zip(local, offset)],
+            float(tensor.reshape(-1)[flat].float()))
 
 
 def check_finite(tensor: torch.Tensor, name: str, path: str,
@@ -45,12 +47,10 @@ def check_finite(tensor: torch.Tensor, name: str, path: str,
     bad = bad_mask(tensor)
     if bad is None:
         return
-    at = first_index(bad, offset)
-    value = tensor[tuple(i - o for i, o in zip(at, list(offset) + [0] * len(at)))]
+    at, value = _first(tensor, bad, offset)
     raise ConversionError(
         f"{path}: tensor {name!r} holds {int(bad.sum())} non-finite value(s) in the part read "
-        f"(first: {float(value.float())} at index {list(at)}); the checkpoint is corrupt: "
-        f"re-download or re-export it")
+        f"(first: {value} at index {at}); the checkpoint is corrupt: re-download or re-export it")
 
 
 def check_scales(scale: torch.Tensor, name: str, path: str, block: Tuple[int, int],
@@ -60,8 +60,7 @@ def check_scales(scale: torch.Tensor, name: str, path: str, block: Tuple[int, in
     bad = ~(torch.isfinite(scale) & (scale > 0))
     if not bool(bad.any()):
         return
-    at = first_index(bad, offset)
-    value = float(scale[tuple(i - o for i, o in zip(at, list(offset) + [0] * len(at)))].float())
+    at, value = _first(scale, bad, offset)
     *lead, r, c = at
     raise ConversionError(
         f"{path}: tensor {name!r} holds {int(bad.sum())} block scale(s) that are not positive "

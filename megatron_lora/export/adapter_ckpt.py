@@ -12,8 +12,9 @@ Writing: `write_adapter_checkpoint` writes the same format from per-adapter fact
 demand (one adapter's factors in memory at a time), into a directory that appears only when
 complete. It holds only the model's adapter tensors (no optimizer state), one chunk per adapter
 box (layer, or layer x expert), and `common.pt` = {"common": {"iteration": 0, "run_metadata":
-{"lora": LoraConfig.to_dict(), "base": base_record(info), ...}}}, so `training.checkpoint.load_adapter_weights` loads it at
-any layout after `apply_lora(model, lora_config_from_dict(...))`.
+{"lora": LoraConfig.to_dict(), "base": base_record(info), ...}}}, so
+`training.checkpoint.load_adapter_weights` loads it at any layout after
+`apply_lora(model, lora_config_from_dict(...))`.
 
 Prefix tuning (LoraConfig.num_virtual_tokens = n > 0, lora/prefix.py) has no factors; its tensors
 (td = groups * head_dim, L layers, enc the encoder hidden size):

@@ -30,6 +30,8 @@ def register(sub) -> None:
     a.add_argument("--load-hf", required=True, help="the base model's HF folder or config.json "
                    "(only config.json is read)")
     a.add_argument("--save", required=True, help="output PEFT folder (must not exist)")
+    a.add_argument("--allow-other-base", action="store_true", help="export an --adapter recorded "
+                   "as trained on another base model (another family or other sizes)")
     a.add_argument("--base-model-name", default=None,
                    help="base_model_name_or_path written to adapter_config.json (None: the "
                    "--load-hf path)")
@@ -43,6 +45,8 @@ def register(sub) -> None:
                    help="merge the adapter into the weights: the default and only mode (the flag "
                    "is accepted, not needed)")
     b.add_argument("--save", required=True, help="output HF folder (must not exist)")
+    b.add_argument("--allow-other-base", action="store_true", help="merge an --adapter recorded "
+                   "as trained on another base model (another family or other sizes)")
     b.add_argument("--max-shard-size", type=parse_size, default="5GB",
                    help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
     b.add_argument("--no-progress", action="store_true", help="no progress bar (it shows bytes "
@@ -67,7 +71,8 @@ def _run(args) -> int:
                 if os.path.basename(base_model) == "config.json":
                     base_model = os.path.dirname(base_model) or "."
             config = export_peft(args.adapter, args.save, hf_config=args.load_hf,
-                                 overwrite=args.overwrite, base_model=base_model, notes=notes)
+                                 overwrite=args.overwrite, base_model=base_model, notes=notes,
+                                 allow_other_base=args.allow_other_base)
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
             if config["peft_type"] == "PREFIX_TUNING":
@@ -84,7 +89,8 @@ def _run(args) -> int:
 
             export_merged_hf(args.load, args.adapter, args.save, hf_config=args.hf_config,
                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress,
+                             allow_other_base=args.allow_other_base)
         exported = _adapter_iteration(args.adapter)  # read and checked by the export already
         if trained_on_nf4(args.adapter):
             print(f"note: {NF4_NOTES[args.format]}", file=sys.stderr)

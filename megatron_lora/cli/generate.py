@@ -36,6 +36,8 @@ def register(sub) -> None:
                    "has no hf_config.json of its own")
     p.add_argument("--adapter", default=None, help="LoRA adapter checkpoint of `train` or "
                    "`import peft` (run folder or iter_* folder), applied on the base weights")
+    p.add_argument("--allow-other-base", action="store_true", help="apply an --adapter recorded "
+                   "as trained on another base model (another family or other sizes)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, an HF folder with one, or "
                    "'byte' (default: the --load-hf folder)")
     p.add_argument("--prompts", required=True, help="JSONL: {\"prompt\": text} or "
@@ -108,7 +110,8 @@ def _run(args) -> int:
         if args.adapter:
             from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
-            lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
+            lora = AdapterCheckpoint(args.adapter, info,  # checks its base, every factor's shape
+                                     args.allow_other_base).config
             from megatron_lora.lora.trainable_tokens import info_for_tokens
 
             info = info_for_tokens(info, lora.trainable_token_indices, load=args.load)

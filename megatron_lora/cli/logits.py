@@ -36,6 +36,8 @@ def register(sub) -> None:
                    "has no hf_config.json of its own")
     p.add_argument("--adapter", default=None, help="LoRA adapter checkpoint (run folder or "
                    "iter_* folder) applied on top of the base weights")
+    p.add_argument("--allow-other-base", action="store_true", help="apply an --adapter recorded "
+                   "as trained on another base model (another family or other sizes)")
     p.add_argument("--tokens", required=True, help="JSON list of equal-length token-id lists")
     p.add_argument("--out", required=True, help="output .safetensors (tensor 'logits', fp32)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -118,7 +120,8 @@ def _run(args) -> int:
         if args.adapter:
             from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
-            lora = AdapterCheckpoint(args.adapter, info).config  # checks every factor's shape
+            lora = AdapterCheckpoint(args.adapter, info,  # checks its base, every factor's shape
+                                     args.allow_other_base).config
         from megatron_lora.lora.trainable_tokens import info_for_tokens, served_vocab
 
         if lora is not None:  # trained new tokens past the padded rows: a grown vocabulary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 
@@ -69,7 +70,19 @@ def build_base(info, config, *, hf=None, load: Optional[str] = None,
     (models/nf4_deferred.py) and each is held in NF4 as it is read (convert/load_nf4.py), so the
     rank's peak is its packed model plus its other tensors plus about one linear's full-precision
     weight, never its whole full-precision model. The values are those of loading in full
-    precision and then quantize_base."""
+    precision and then quantize_base. A ConversionError while reading (a NaN weight, a bad FP8
+    scale: convert/finite.py) exits this rank with status 2 and its one-line message."""
+    from megatron_lora.convert.errors import ConversionError
+
+    try:
+        return _build_base(info, config, hf, load, base_quantization, build)
+    except ConversionError as exc:  # a bad tensor found as it is read (a NaN weight, a bad
+        # scale) on the rank that reads it; torchrun then stops the others
+        print(f"megatron-lora: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _build_base(info, config, hf, load, base_quantization: str, build: dict):
     from megatron_lora import runtime
     from megatron_lora.models.build import build_model
     from megatron_lora.models.describe import announce

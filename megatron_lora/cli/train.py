@@ -60,6 +60,8 @@ def add_arguments(p) -> None:
                      "Its LoRA rank, alpha, targets, rsLoRA and patterns are used; --lora-* flags "
                      "that differ are an error. A --save folder that has a checkpoint is resumed "
                      "instead")
+    src.add_argument("--allow-other-base", action="store_true", help="start from an --adapter "
+                     "recorded as trained on another base model (another family or other sizes)")
     src.add_argument("--hf-config", default=None, help="config.json for --load if it has none")
     src.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
                      default="local", help="layer implementation; LoRA on Transformer Engine's "

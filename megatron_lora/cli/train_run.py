@@ -339,7 +339,9 @@ def _train(args, layout, info, hf, lora, run, optim, train_set, eval_set, stats,
             initial.cleanup()
             _say(rank0, f"initial adapter weights from --adapter {initial.source} (a fresh "
                         f"optimizer and LR schedule, from iteration 0)")
-    metadata = {"lora": lora.to_dict(), "vocab_size": info.vocab_size,
+    from megatron_lora.lora.adapter_base import base_record
+
+    metadata = {"lora": lora.to_dict(), "base": base_record(info), "vocab_size": info.vocab_size,
                 "hidden_size": info.shape.hidden_size, "num_layers": info.shape.num_layers,
                 "num_experts": info.shape.num_experts,
                 # Not compared on resume (training/resume.py): this run's flags, written as

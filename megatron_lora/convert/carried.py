@@ -35,7 +35,8 @@ HF_CARRIED = "model-carried.safetensors"  # in the HF folder mcore-to-hf writes
 def _prefixes(info) -> tuple:
     """`model.layers.{l}.` of each layer the family's extra_layers_field counts ((): none)."""
     field = info.family.extra_layers_field
-    count = info.hf_config.get(field, 0) if field else 0
+    # absent: transformers' default (families/hf_defaults.py: one MTP layer for DeepSeek-V3)
+    count = info.hf_config.get(field, info.family.hf_defaults.get(field, 0)) if field else 0
     L = info.shape.num_layers
     return tuple(info.family.names.layer.format(l=l) for l in range(L, L + (count or 0)))
 

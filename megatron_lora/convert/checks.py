@@ -185,8 +185,9 @@ def checkpoint_problems(info: ModelInfo, directory: str, config_name: str) -> Li
                      "output_layer.weight (an untied model)")
     if not parts:
         return []
-    return [f"{config_name} does not describe the checkpoint {directory}: {'; '.join(parts)}; "
-            f"pass the config.json of the model this checkpoint was converted from"]
+    return [f"{config_name} does not describe the checkpoint {directory}: {'; '.join(parts)}"
+            f"{info.defaults_note()}; pass the config.json of the model this checkpoint was "
+            f"converted from"]
 
 
 def _ceil(a: int, b: int) -> int:

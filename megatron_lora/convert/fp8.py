@@ -23,6 +23,10 @@ Streaming. `FP8Checkpoint.read(name, index)` reads only the blocks covering the 
 (weight rows / columns rounded out to block edges, and their scales) and dequantises
 `rows_per_chunk` rows at a time, so memory holds the box's output, its FP8 bytes and one chunk's
 fp32 temporaries, never a whole dequantised checkpoint.
+
+Refused as they are read, naming the file, the tensor and the block: an FP8 weight holding NaN
+codes, and a block scale that is not a positive finite number (NaN, inf, zero or negative: every
+value of its block would be NaN, inf, zero or sign-flipped) (convert/finite.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.finite import check_finite, check_scales
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -201,8 +206,15 @@ class FP8Checkpoint:
         weight = self.ckpt.read(name, lead + (rows, cols))
         grid = (slice(rows.start // bm, -(-rows.stop // bm)),
                 slice(cols.start // bn, -(-cols.stop // bn)))
-        scale = self.ckpt.read(self.weights[name], lead + grid)
+        scale = self.ckpt.read(self.weights[name], lead + grid)  # finite (HFCheckpoint.read)
+        check_scales(scale, self.weights[name],
+                     os.path.join(self.directory, self.ckpt.tensors[self.weights[name]].file),
+                     self.block, [s.start for s in lead + grid])
         data = dequantize(weight, scale, self.block, self.dtype)
+        # a finite scale can still overflow the product (1e38 x 448): inf weights
+        check_finite(data, f"{name} (dequantised)",
+                     os.path.join(self.directory, self.ckpt.tensors[name].file),
+                     [s.start for s in lead] + [rows.start, cols.start])
         box = data[..., r0 - rows.start: r1 - rows.start, c0 - cols.start: c1 - cols.start]
         return box if box.shape == data.shape else box.contiguous()
 

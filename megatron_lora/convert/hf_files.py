@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_lora.convert.errors import ConversionError
+from megatron_lora.convert.finite import check_finite
 from megatron_lora.runtime.folder_files import check_in_folder
 from megatron_lora.runtime.safe_load import CheckpointFileError, confined_path
 
@@ -121,7 +122,8 @@ class HFCheckpoint:
 
     def read(self, name: str, index: Optional[Tuple[slice, ...]] = None) -> torch.Tensor:
         """Tensor `name` (or the part `index` selects: a tuple of unit-step slices), as a fresh
-        CPU tensor in the file's dtype."""
+        CPU tensor in the file's dtype. A NaN / inf element (floating point and float8 tensors)
+        raises ConversionError naming the file, the tensor and the element."""
         info = self.tensors.get(name)
         if info is None:
             raise ConversionError(f"{self.directory}: no tensor named {name!r}")
@@ -134,6 +136,8 @@ class HFCheckpoint:
                     tensor = f.get_slice(name)[index]
         except Exception as exc:
             raise ConversionError(f"{path}: cannot read tensor {name!r}: {exc}") from None
+        offset = [s.indices(n)[0] for s, n in zip(index or (), info.shape)]
+        check_finite(tensor, name, path, offset)  # a NaN / inf weight is refused where read
         return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
 
     def total_bytes(self) -> int:

@@ -31,6 +31,7 @@ from megatron_lora.convert.carried import unbuilt_tensors, write_carried
 from megatron_lora.convert.dcp_write import write_torch_dist
 from megatron_lora.convert.errors import ConversionError
 from megatron_lora.convert.hf_files import HFCheckpoint
+from megatron_lora.convert.hf_precheck import check_counts, check_json_files
 from megatron_lora.convert.mapping import (
     IGNORED_HF_SUFFIXES,
     OWN_DTYPE_SUFFIXES,
@@ -63,6 +64,7 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
     config = os.path.join(hf_dir, "config.json")
     block_fp8 = fp8.read_format(info.hf_config, config)
     quantized = fp8.quantized_weights(ckpt, block_fp8, config)
+    check_counts(hf_dir, info, ckpt.tensors)  # before the table, which grows with them
     expected = hf_shapes(info)
     packed = _mxfp4_pairs(hf_dir, ckpt, expected) if info.family.fused_experts else set()
     for name, shape in expected.items():
@@ -70,11 +72,13 @@ def open_hf(hf_dir: str) -> Tuple[ModelInfo, HFCheckpoint, torch.dtype]:
         if got is None and name in packed:
             continue
         if got is None:
-            raise ConversionError(f"{hf_dir}: tensor {name!r} is missing from the checkpoint")
+            raise ConversionError(f"{hf_dir}: tensor {name!r} is missing from the checkpoint"
+                                  f"{info.defaults_note()}")
         if got.shape != shape:
             raise ConversionError(
                 f"{os.path.join(hf_dir, got.file)}: tensor {name!r} has shape {list(got.shape)}, "
                 f"but config.json ({info.config_fields()}) implies {list(shape)}"
+                f"{info.defaults_note()}"
             )
     ignored = IGNORED_HF_SUFFIXES + (("lm_head.weight",) if info.shape.tie_embeddings else ())
     pair_names = {f"{n}_{part}" for n in packed for part in ("blocks", "scales")}
@@ -140,6 +144,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, overwrite: bool = False, progress: bo
     """Convert `hf_dir` into a torch_dist checkpoint at `save` (created atomically)."""
     prepare_output_dir(save, overwrite=overwrite, inputs={"--hf-dir": hf_dir})
     info, ckpt, dtype = open_hf(hf_dir)
+    check_json_files(hf_dir, _PASSTHROUGH)  # before anything is written
     tensors = [_own_dtype(t, ckpt) for t in mcore_tensors(info, dtype)]
     total = sum(sum(_nbytes(c.sizes, t.dtype or dtype) for c in t.chunks) for t in tensors)
     with atomic_directory(save, overwrite) as tmp, byte_bar(total, "hf-to-mcore", progress) as bar:

@@ -25,6 +25,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK_BYTES = 16  # 32 values per E8M0 scale
 E8M0_BIAS = 127
+E8M0_NAN = 255  # the one E8M0 code that is no power of two (read_expert refuses it)
 
 
 def check_pair(name: str, blocks_shape, scales_shape, blocks_dtype, scales_dtype, where: str):
@@ -75,6 +76,14 @@ def read_expert(ckpt, name: str, expert: int, dtype: torch.dtype = torch.bfloat1
     index = (slice(expert, expert + 1),)
     blocks = ckpt.read(f"{name}_blocks", index)[0]
     scales = ckpt.read(f"{name}_scales", index)[0]
+    nan = scales == E8M0_NAN
+    if bool(nan.any()):  # E8M0's NaN code: every value of its group would be NaN
+        row, group = torch.nonzero(nan)[0].tolist()
+        raise ConversionError(
+            f"{ckpt.directory}/{scales_info.file}: tensor {name}_scales holds {int(nan.sum())} "
+            f"scale(s) of {E8M0_NAN} (E8M0's NaN) for expert {expert} (first: row {row}, group "
+            f"{group}: values {group * 2 * BLOCK_BYTES}..{(group + 1) * 2 * BLOCK_BYTES - 1}); "
+            f"the checkpoint is corrupt: re-download it")
     return dequantize(blocks, scales, dtype)
 
 

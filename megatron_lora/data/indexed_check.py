@@ -13,7 +13,8 @@ file. What must hold (megatron-core's layout, data/indexed_writer.py):
   megatron-core's integer codes; loss masks: uint8 only);
 - the size: exactly 34 + 12 N + 8 D bytes for N sequences and D >= 1 document boundaries;
 - every sequence length >= 0, every sequence's bytes [pointer, pointer + length * itemsize)
-  inside `P.bin`;
+  inside `P.bin`, every pointer a multiple of the itemsize (whole ids: the vocabulary check,
+  data/indexed.py `token_range`, reads the `.bin` on id boundaries);
 - the document boundaries start at 0, never decrease and end at N.
 
 `read_meta` reads `P.json`, refusing one that is not a regular file or not a JSON object, and
@@ -117,6 +118,14 @@ def _check_sequences(fd: int, n: int, itemsize: int, bin_size: int, bin_: str, f
             start, stop = int(pointers[i]), int(pointers[i]) + int(lengths[i]) * itemsize
             raise fail(f"places sequence {a + i} at bytes {start}..{stop} of {bin_}, outside its "
                        f"{bin_size} bytes")
+        # a pointer between two ids reads each id from the bytes of two: other ids, unchecked
+        # by the vocabulary check, which reads the .bin on id boundaries
+        bad = np.flatnonzero(pointers % itemsize)
+        if bad.size:
+            i = int(bad[0])
+            raise fail(f"places sequence {a + i} at byte {int(pointers[i])} of {bin_}, not a "
+                       f"multiple of its {itemsize}-byte ids (the index does not belong to "
+                       f"this .bin, or is damaged)")
 
 
 def _check_documents(fd: int, n: int, docs: int, fail) -> None:

@@ -24,6 +24,38 @@ class DataError(ValueError):
     """Bad training data; the message names the file and line."""
 
 
+# The longest line (one sample) read, in bytes. Tokenising a line takes ~15 bytes of memory per
+# byte inside the Rust tokenizer, which aborts the process (exit 134, no Python error) when an
+# allocation fails: a 200 MB line asked for 3 GiB. 16 MiB is millions of tokens, far beyond any
+# sequence a sample is truncated to.
+MAX_LINE_BYTES = 16 * 2**20
+
+
+def too_long(where: str, limit: int) -> str:
+    """The message for a line longer than `limit` bytes."""
+    return (f"{where}: the line is longer than {limit} bytes (MAX_LINE_BYTES, one sample); "
+            f"split or shorten it")
+
+
+def bounded_lines(f, limit: int = None):
+    """(line number, raw bytes or None) of each line of the binary file `f`: None for a line
+    longer than `limit` bytes (default MAX_LINE_BYTES, newline excluded), whose rest is skipped
+    in pieces of `limit` bytes, never held whole."""
+    limit = MAX_LINE_BYTES if limit is None else limit
+    lineno = 0
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield lineno, raw
+            continue
+        while raw and not raw.endswith(b"\n"):  # the rest of the long line
+            raw = f.readline(limit + 1)
+        yield lineno, None
+
+
 @dataclass
 class Sample:
     tokens: List[int]
@@ -114,14 +146,17 @@ def parse_record(tok, record, where: str) -> Sample:
 def iter_samples(path: str, tokenizer) -> Iterator[Tuple[str, Sample]]:
     """("file:line", sample) for each non-blank line of `path`, untruncated, in order.
 
-    Raises DataError naming file:line for a malformed line, or the file when it is not a
-    regular file (a FIFO or device would block or read forever: data/files.py).
+    Raises DataError naming file:line for a malformed line or one longer than MAX_LINE_BYTES,
+    or the file when it is not a regular file (a FIFO or device would block or read forever:
+    data/files.py).
     """
     from megatron_lora.data.files import open_regular
 
     with open_regular(path, DataError) as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in bounded_lines(f):
             where = f"{path}:{lineno}"
+            if raw is None:  # before the tokenizer sees it (module MAX_LINE_BYTES)
+                raise DataError(too_long(where, MAX_LINE_BYTES))
             line = decode_utf8(raw, where, DataError)
             if not line.strip():
                 continue

@@ -40,7 +40,8 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_lora.data.jsonl import DataError, parse_record
+from megatron_lora.data import jsonl
+from megatron_lora.data.jsonl import DataError, bounded_lines, parse_record, too_long
 from megatron_lora.jsonfile import decode_utf8, loads
 
 FORMAT = "megatron-lora indexed samples"
@@ -49,7 +50,7 @@ TARGETS_SUFFIX = "_targets"
 # Every file of a prefix, in the order they are renamed into place (P.idx last: it makes the prefix).
 SUFFIXES = (".bin", TARGETS_SUFFIX + ".bin", ".json", TARGETS_SUFFIX + ".idx", ".idx")
 
-Chunk = List[Tuple[str, bytes]]  # ("file:line", raw line bytes)
+Chunk = List[Tuple[str, bytes]]  # ("file:line", raw line bytes, or a LongLine message)
 
 
 class PreprocessError(ValueError):
@@ -77,6 +78,11 @@ def prefix_files(prefix: str) -> List[str]:
     return [prefix + s for s in SUFFIXES]
 
 
+class LongLine(str):
+    """In a chunk instead of a line's bytes: the message of a line longer than MAX_LINE_BYTES
+    (data/jsonl.py), which is never read whole nor tokenised."""
+
+
 def _chunks(paths: Sequence[str], chunk_lines: int, stats: PreprocessStats) -> Iterator[Chunk]:
     """Non-blank lines of `paths`, in order, `chunk_lines` at a time (bytes counted as read)."""
     from megatron_lora.data.files import open_regular
@@ -84,11 +90,17 @@ def _chunks(paths: Sequence[str], chunk_lines: int, stats: PreprocessStats) -> I
     chunk: Chunk = []
     for path in paths:
         with open_regular(path, PreprocessError, f"--input {path}") as f:
-            for lineno, raw in enumerate(f, 1):
-                stats.bytes_read += len(raw)
-                if not raw.strip():
+            start = f.tell()
+            for lineno, raw in bounded_lines(f):
+                stats.bytes_read += f.tell() - start
+                start = f.tell()
+                if raw is None:  # refused before any tokenizer sees it: a bad line
+                    chunk.append((f"{path}:{lineno}", LongLine(too_long(f"{path}:{lineno}",
+                                                                        jsonl.MAX_LINE_BYTES))))
+                elif not raw.strip():
                     continue
-                chunk.append((f"{path}:{lineno}", raw))
+                else:
+                    chunk.append((f"{path}:{lineno}", raw))
                 if len(chunk) >= chunk_lines:
                     yield chunk
                     chunk = []
@@ -109,6 +121,9 @@ def encode_chunk(tokenizer, chunk: Chunk) -> Encoded:
     lengths: List[int] = []
     bad: List[str] = []
     for where, raw in chunk:
+        if isinstance(raw, LongLine):
+            bad.append(str(raw))
+            continue
         try:
             sample = parse_record(tokenizer, loads(decode_utf8(raw, where, DataError), where,
                                                    DataError), where)

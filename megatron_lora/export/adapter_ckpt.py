@@ -3,15 +3,18 @@
 Reading: `AdapterCheckpoint(path)` opens an iteration folder (or a run folder, through its
 tracker) with `convert.dcp_read.TorchDistCheckpoint` (no torch.distributed, no pickled code),
 takes the LoraConfig from `common.pt` (`run_metadata.lora`, LoraConfig.to_dict()) and, given the
-model's ModelInfo, checks every adapter tensor against the table (`table.KINDS`): known key,
-both factors present, global shapes as the config implies. Optimizer entries are ignored.
+model's ModelInfo, checks the base it records against that model (`run_metadata.base`,
+lora/adapter_base.py: another family or other sizes are refused unless allow_other_base) and
+every adapter tensor against the table (`table.KINDS`): known key, both factors present, global
+shapes as the config implies. Optimizer entries are ignored.
 
 Writing: `write_adapter_checkpoint` writes the same format from per-adapter factors produced on
 demand (one adapter's factors in memory at a time), into a directory that appears only when
 complete. It holds only the model's adapter tensors (no optimizer state), one chunk per adapter
 box (layer, or layer x expert), and `common.pt` = {"common": {"iteration": 0, "run_metadata":
-{"lora": LoraConfig.to_dict(), ...}}}, so `training.checkpoint.load_adapter_weights` loads it at
-any layout after `apply_lora(model, lora_config_from_dict(...))`.
+{"lora": LoraConfig.to_dict(), "base": base_record(info), ...}}}, so
+`training.checkpoint.load_adapter_weights` loads it at any layout after
+`apply_lora(model, lora_config_from_dict(...))`.
 
 Prefix tuning (LoraConfig.num_virtual_tokens = n > 0, lora/prefix.py) has no factors; its tensors
 (td = groups * head_dim, L layers, enc the encoder hidden size):
@@ -45,6 +48,7 @@ from megatron_lora.convert.mapping import Chunk, McoreTensor
 from megatron_lora.export.table import (KINDS, Kind, factor_shapes, magnitude_shape, model_kinds,
                                         sites)
 from megatron_lora.jsonfile import reason
+from megatron_lora.lora.adapter_base import AdapterBaseError, base_record, check_base, say_once
 from megatron_lora.lora.model import LoraConfig
 from megatron_lora.families import ModelInfo
 from megatron_lora.runtime.safe_load import CheckpointFileError
@@ -104,7 +108,7 @@ def lora_config_from_dict(d: dict, source: str = "run metadata") -> LoraConfig:
 class AdapterCheckpoint:
     """An adapter checkpoint opened for streamed reading; see the module docstring."""
 
-    def __init__(self, path: str, info: ModelInfo):
+    def __init__(self, path: str, info: ModelInfo, allow_other_base: bool = False):
         from megatron_lora.lora.run_files import read_run_metadata, resolve
 
         try:
@@ -127,6 +131,12 @@ class AdapterCheckpoint:
         if lora is None:
             raise ConversionError(f"{common_path}: no run_metadata.lora (not an adapter checkpoint)")
         self.config = lora_config_from_dict(lora, common_path)
+        try:  # the base it was trained on (lora/adapter_base.py), before its tensors
+            self.base_note = check_base(self.common.get("run_metadata"), info,
+                                        f"adapter {self.directory}", allow_other_base)
+        except AdapterBaseError as exc:
+            raise ConversionError(str(exc)) from None
+        say_once(self.base_note)
         if self.config.num_virtual_tokens:  # prefix tuning: no factors
             self.ranks: Dict[str, int] = {}
             keys = self._check_prefix()
@@ -355,7 +365,8 @@ def write_adapter_checkpoint(save: str, info: ModelInfo, ranks: Dict[str, int], 
         return data.to(dtype).reshape(c.sizes).contiguous()
 
     common = {"iteration": 0, "consumed_samples": 0, "layout": None, "world_size": None,
-              "run_metadata": dict(run_metadata or {}, lora=config.to_dict())}
+              "run_metadata": dict(run_metadata or {}, lora=config.to_dict(),
+                                   base=base_record(info))}
     with atomic_directory(save, overwrite) as tmp:
         write_torch_dist(tmp, tensors, [], chunk_data, dtype)
         torch.save({"common": common}, os.path.join(tmp, "common.pt"))

@@ -74,12 +74,13 @@ class _Merger:
 
 def export_merged_hf(load: str, adapter: str, save: str, *, hf_config: str = None,
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                     progress: bool = True) -> None:
-    """Write the merged model as HF safetensors shards + index + config.json at `save`."""
+                     progress: bool = True, allow_other_base: bool = False) -> None:
+    """Write the merged model as HF safetensors shards + index + config.json at `save`
+    (allow_other_base: merge an adapter recorded as trained on another base, lora/adapter_base)."""
     prepare_output_dir(save, overwrite=overwrite,
                        inputs={"--load": load, "--adapter": adapter, "--hf-config": hf_config})
     info = read_mcore_info(load, hf_config)
-    merger = _Merger(AdapterCheckpoint(adapter, info), info)
+    merger = _Merger(AdapterCheckpoint(adapter, info, allow_other_base), info)
     if merger.adapter.config.num_virtual_tokens:
         raise ConversionError(
             f"{adapter}: a prefix-tuning adapter (--peft-type prefix, num_virtual_tokens="

@@ -118,17 +118,19 @@ def _default(values: Dict[str, Tuple[int, float]], expert_gate: str) -> Tuple[in
 
 
 def export_peft(adapter: str, save: str, *, hf_config: str, overwrite: bool = False,
-                base_model: str = None, notes: Optional[List[str]] = None) -> dict:
+                base_model: str = None, notes: Optional[List[str]] = None,
+                allow_other_base: bool = False) -> dict:
     """Write `save/adapter_model.safetensors` and `save/adapter_config.json`; returns the config.
 
     adapter: adapter checkpoint (iteration folder, or a run folder with a tracker).
     hf_config: the base model's config.json (or its folder; nothing else is read).
-    notes: when given, a list that gets one line per setting changed for inference (and why)."""
+    notes: when given, a list that gets one line per setting changed for inference (and why).
+    allow_other_base: apply an adapter recorded as trained on another base (lora/adapter_base)."""
     prepare_output_dir(save, overwrite=overwrite,
                        inputs={"--adapter": adapter, "--load-hf": hf_config})
     info = read_hf_config(hf_config)
     refuse_fused_experts(info)
-    ckpt = AdapterCheckpoint(adapter, info)
+    ckpt = AdapterCheckpoint(adapter, info, allow_other_base)
     if ckpt.config.num_virtual_tokens:
         return _export_prefix(ckpt, info, save, overwrite, base_model, notes)
     dora = ckpt.config.use_dora

@@ -56,9 +56,12 @@ def family_of(cfg: dict, source: str = "config.json") -> Family:
 def model_info(cfg: dict, source: str = "config.json") -> ModelInfo:
     """Validate a config.json dict and describe its model; ModelConfigError names the field."""
     family = family_of(cfg, source)
-    shape, vocab, dtype = family.read(Fields(cfg, source), cfg)
+    fields = Fields(cfg, source, defaults=family.hf_defaults)
+    shape, vocab, dtype = family.read(fields, cfg)
+    defaulted = tuple((k, v) for k, v in fields.defaulted.items()  # the numbers: sizes, scales
+                      if isinstance(v, (int, float)) and not isinstance(v, bool))
     return ModelInfo(family=family, shape=shape, vocab_size=vocab, dtype=dtype,
-                     hf_config=dict(cfg))
+                     hf_config=dict(cfg), defaulted=defaulted)
 
 
 def read_hf_config(path: str) -> ModelInfo:

@@ -206,6 +206,9 @@ def moe_sizes(f: Fields, ffn_field: str, experts: Callable[[Fields], int], eps: 
                  num_experts=experts(f), moe_router_topk=f.integer("num_experts_per_tok"),
                  norm_epsilon=float(f.number("rms_norm_eps", default=eps)),
                  tie_embeddings=f.get("tie_word_embeddings", bool, default=False))
+    if sizes["moe_router_topk"] > sizes["num_experts"]:  # before any routing-specific check
+        raise f.bad("num_experts_per_tok", f"must be <= num_experts ({sizes['num_experts']})",
+                    sizes["moe_router_topk"])
     if norm_topk_prob:
         sizes["moe_router_pre_softmax"] = not f.get("norm_topk_prob", bool, default=False)
     return sizes

@@ -31,6 +31,7 @@ from __future__ import annotations
 from megatron_lora.families.common import (dense_layers, make_shape, moe_sizes, read_activation,
                                            read_dtype, read_rope, refuse_true,
                                            sigmoid_group_routing)
+from megatron_lora.families import hf_defaults
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
 from megatron_lora.families.shape import MlaShape
@@ -38,7 +39,7 @@ from megatron_lora.jsonfile import short
 
 
 def _first_dense(f: Fields, num_layers: int) -> list:
-    k = f.get("first_k_dense_replace", int, default=0)
+    k = f.count("first_k_dense_replace", default=0)
     if not 0 <= k <= num_layers:
         raise f.bad("first_k_dense_replace", f"must be 0..{num_layers} (num_hidden_layers)", k)
     return [int(l >= k) for l in range(num_layers)]
@@ -127,12 +128,12 @@ def read(f: Fields, cfg: dict, v2: bool = False):
                                f"mscale: transformers then scales cos/sin by the plain YaRN "
                                f"factor, megatron by the mscale ratio")
     dtype = read_dtype(f)
-    f.get("num_nextn_predict_layers", int, default=0)  # typed; the layers are skipped
+    f.count("num_nextn_predict_layers", default=0)  # typed; the layers are skipped
     experts = lambda g: g.integer("n_routed_experts")  # noqa: E731
     sizes = moe_sizes(f, "moe_intermediate_size", experts, 1e-6, norm_topk_prob=False)
     routing = _v2_routing if v2 else _v3_routing
     sizes.update(routing(f, sizes["num_experts"], sizes["moe_router_topk"]))
-    shared = f.get("n_shared_experts", int, default=None, nullable=True)
+    shared = f.count("n_shared_experts", default=None, nullable=True)
     if shared:
         sizes["shared_expert_ffn_hidden_size"] = sizes["ffn_hidden_size"] * shared
     sizes.update(dense_layers(f, _first_dense(f, sizes["num_layers"])))
@@ -154,6 +155,7 @@ REFUSES = ("hidden_act other than silu", "attention_bias or mlp_bias true",
 
 DEEPSEEK_V3 = Family(
     name="deepseek_v3",
+    hf_defaults=hf_defaults.DEEPSEEK_V3,
     architectures=("DeepseekV3ForCausalLM",),
     model_types=("deepseek_v3",),
     read=read,
@@ -169,6 +171,7 @@ DEEPSEEK_V3 = Family(
 
 DEEPSEEK_V2 = Family(
     name="deepseek_v2",
+    hf_defaults=hf_defaults.DEEPSEEK_V2,
     architectures=("DeepseekV2ForCausalLM",),
     model_types=("deepseek_v2",),
     read=lambda f, cfg: read(f, cfg, v2=True),

@@ -117,6 +117,8 @@ class Family:
         multi-token-prediction layers, `num_nextn_predict_layers`): the model skips their
         tensors (saying so); conversion carries them unchanged back to HF (convert/carried.py);
         "": none.
+    hf_defaults: {config.json field: what its absence means to transformers' config class}
+        (families/hf_defaults.py).
     """
 
     name: str
@@ -133,6 +135,7 @@ class Family:
     refuses: Tuple[str, ...] = ()
     fused_experts: bool = False
     extra_layers_field: str = ""
+    hf_defaults: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def base_model_class(self) -> str:
@@ -158,6 +161,8 @@ class ModelInfo:
     vocab_size: the model's real vocabulary (rows of HF `embed_tokens`, columns of logits).
     dtype: the checkpoint's parameter dtype (config.json `dtype` / `torch_dtype`).
     hf_config: the config.json dict, kept to write it back on export.
+    defaulted: the numeric fields config.json leaves out that took a transformers default, with
+        the value taken (families/hf_defaults.py).
     """
 
     family: Family
@@ -165,6 +170,17 @@ class ModelInfo:
     vocab_size: int
     dtype: torch.dtype
     hf_config: dict = field(repr=False, compare=False)
+    defaulted: Tuple[Tuple[str, object], ...] = field(default=(), repr=False, compare=False)
+
+    def defaults_note(self) -> str:
+        """'' or, for messages about sizes, the fields config.json leaves out whose
+        transformers defaults were taken (defaulted: ((field, value), ...), families/fields.py)."""
+        if not self.defaulted:
+            return ""
+        said = ", ".join(f"{k}={v}" for k, v in self.defaulted)
+        return (f" (config.json does not set {', '.join(k for k, _ in self.defaulted)}: "
+                f"transformers' defaults {said} were taken; set them if they are not this "
+                f"model's)")
 
     @property
     def head_dim(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from megatron_lora.families.common import (dense_layers, make_shape, moe_sizes, read_activation,
                                            read_dtype, read_rope_theta, sigmoid_group_routing)
+from megatron_lora.families import hf_defaults
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
 from megatron_lora.jsonfile import short
@@ -49,7 +50,7 @@ def _rotary_percent(f: Fields, head_dim: int) -> float:
 
 
 def _first_dense(f: Fields, num_layers: int) -> list:
-    k = f.get("first_k_dense_replace", int, default=1)
+    k = f.count("first_k_dense_replace", default=1)
     if not 0 <= k <= num_layers:
         raise f.bad("first_k_dense_replace", f"must be 0..{num_layers} (num_hidden_layers)", k)
     return [int(l >= k) for l in range(num_layers)]
@@ -68,7 +69,7 @@ def read(f: Fields, cfg: dict):
     max_pos = f.integer("max_position_embeddings", default=131072)
     dtype = read_dtype(f)
     kv_heads = f.integer("num_key_value_heads", default=heads, nullable=True)
-    f.get("num_nextn_predict_layers", int, default=0)  # typed; the layers are skipped
+    f.count("num_nextn_predict_layers", default=0)  # typed; the layers are skipped
     experts = lambda g: g.integer("n_routed_experts")  # noqa: E731
     sizes = moe_sizes(f, "moe_intermediate_size", experts, 1e-5, norm_topk_prob=False)
     sizes.update(sigmoid_group_routing(f, sizes["num_experts"], sizes["moe_router_topk"]))
@@ -87,6 +88,7 @@ def read(f: Fields, cfg: dict):
 
 GLM4_MOE = Family(
     name="glm4_moe",
+    hf_defaults=hf_defaults.GLM4_MOE,
     architectures=("Glm4MoeForCausalLM",),
     model_types=("glm4_moe",),
     read=read,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from megatron_lora.families.common import (make_shape, moe_sizes, read_dtype, read_rope,
                                            refuse_true)
+from megatron_lora.families import hf_defaults
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
 from megatron_lora.jsonfile import short
@@ -73,6 +74,7 @@ def read(f: Fields, cfg: dict):
 
 GPT_OSS = Family(
     name="gpt_oss",
+    hf_defaults=hf_defaults.GPT_OSS,
     architectures=("GptOssForCausalLM",),
     model_types=("gpt_oss",),
     read=read,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megatron_lora.families.common import (make_shape, moe_sizes, read_activation, read_dtype,
                                            read_rope_theta, refuse_sliding_window, refuse_true)
+from megatron_lora.families import hf_defaults
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
 
@@ -41,6 +42,7 @@ def read(f: Fields, cfg: dict):
 
 MIXTRAL = Family(
     name="mixtral",
+    hf_defaults=hf_defaults.MIXTRAL,
     architectures=("MixtralForCausalLM",),
     model_types=("mixtral",),
     read=read,

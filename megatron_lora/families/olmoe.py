@@ -15,6 +15,7 @@ from __future__ import annotations
 from megatron_lora.families.common import (make_shape, moe_sizes, num_experts, read_activation,
                                            read_dtype, read_rope_theta, refuse_sliding_window,
                                            refuse_true)
+from megatron_lora.families import hf_defaults
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields, ModelConfigError
 from megatron_lora.jsonfile import short
@@ -52,6 +53,7 @@ def read(f: Fields, cfg: dict):
 
 OLMOE = Family(
     name="olmoe",
+    hf_defaults=hf_defaults.OLMOE,
     architectures=("OlmoeForCausalLM",),
     model_types=("olmoe",),
     read=read,

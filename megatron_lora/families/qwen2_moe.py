@@ -17,6 +17,7 @@ from __future__ import annotations
 from megatron_lora.families.common import (dense_layers, make_shape, moe_sizes, num_experts,
                                            qwen_moe_layers, read_activation, read_dtype,
                                            read_rope_theta, refuse_sliding_window)
+from megatron_lora.families import hf_defaults
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields
 
@@ -45,6 +46,7 @@ def read(f: Fields, cfg: dict):
 
 QWEN2_MOE = Family(
     name="qwen2_moe",
+    hf_defaults=hf_defaults.QWEN2_MOE,
     architectures=("Qwen2MoeForCausalLM",),
     model_types=("qwen2_moe",),
     read=read,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from megatron_lora.families.common import (dense_layers, make_shape, moe_sizes, num_experts,
                                            qwen_moe_layers, read_activation, read_dtype,
                                            read_rope_theta, refuse_sliding_window, refuse_true)
+from megatron_lora.families import hf_defaults
 from megatron_lora.families.family import Family, HFNames
 from megatron_lora.families.fields import Fields
 
@@ -42,6 +43,7 @@ def read(f: Fields, cfg: dict):
 
 QWEN3_MOE = Family(
     name="qwen3_moe",
+    hf_defaults=hf_defaults.QWEN3_MOE,
     architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
     read=read,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import List
 
+from megatron_lora.data import jsonl
 from megatron_lora.data.tokenizers import ByteTokenizer
 from megatron_lora.jsonfile import decode_utf8, loads, os_reason, short
 
@@ -22,7 +23,8 @@ class PromptError(ValueError):
 
 
 def read_prompts(path: str) -> List[dict]:
-    """The records of a prompts JSONL file (blank lines skipped), each checked for its form."""
+    """The records of a prompts JSONL file (blank lines skipped), each checked for its form and
+    for its size (data/jsonl.py MAX_LINE_BYTES, as training lines)."""
     from megatron_lora.data.files import regular_file_problem
 
     problem = regular_file_problem(path)  # a FIFO or device would block or never end
@@ -39,6 +41,9 @@ def read_prompts(path: str) -> List[dict]:
         if not line.strip():
             continue
         where = f"{path}:{number}"
+        # bounded before the Rust tokenizer sees it: it aborts the process on a huge prompt
+        if len(line) * 4 > jsonl.MAX_LINE_BYTES and len(line.encode()) > jsonl.MAX_LINE_BYTES:
+            raise PromptError(jsonl.too_long(where, jsonl.MAX_LINE_BYTES))
         record = loads(line, where, PromptError)
         if not isinstance(record, dict):
             raise PromptError(f"{where}: expected a JSON object, got {short(record)}")

@@ -151,12 +151,12 @@ def _base_config_path(args) -> str:
     return args.hf_config or os.path.join(args.load, HF_CONFIG)
 
 
-def _checkpoint_config(path: str, info):
+def _checkpoint_config(path: str, info, allow_other_base: bool = False):
     """(LoraConfig, iteration folder) of an adapter checkpoint of ours, every factor's shape
     checked against the model (export.adapter_ckpt.AdapterCheckpoint)."""
     from megatron_lora.export.adapter_ckpt import AdapterCheckpoint
 
-    ckpt = AdapterCheckpoint(path, info)
+    ckpt = AdapterCheckpoint(path, info, allow_other_base)
     return ckpt.config, ckpt.directory
 
 
@@ -169,6 +169,7 @@ def open_initial_adapter(args, info, resume_iteration: Optional[int]) -> Initial
 
     source = args.adapter
     given = getattr(args, "given_flags", None)
+    allow = bool(getattr(args, "allow_other_base", False))  # lora/adapter_base.py
     if resume_iteration is not None:
         meta = (read_run_metadata(args.save).get("run_metadata") or {}).get("lora")
         lora = lora_config_from_dict(meta, source=f"--save {args.save}")
@@ -184,7 +185,7 @@ def open_initial_adapter(args, info, resume_iteration: Optional[int]) -> Initial
         try:
             out = os.path.join(temp, "imported")
             report = import_peft(source, out, hf_config=_base_config_path(args))
-            lora, directory = _checkpoint_config(out, info)
+            lora, directory = _checkpoint_config(out, info, allow)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
@@ -192,7 +193,7 @@ def open_initial_adapter(args, info, resume_iteration: Optional[int]) -> Initial
             f"--adapter {source}: PEFT adapter imported (ranks {report['ranks']})"])
         whose, owner = f"--adapter {source}", "the adapter's"
     elif os.path.isdir(source):
-        lora, directory = _checkpoint_config(source, info)
+        lora, directory = _checkpoint_config(source, info, allow)
         result = InitialAdapter(source, directory, lora)
         whose, owner = f"--adapter {source}", "the adapter's"
     else:

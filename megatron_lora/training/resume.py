@@ -27,6 +27,9 @@ from typing import Dict, List, Optional, Tuple
 ACCEPTED_METADATA = ("lora.seed", "lora.lora_dropout")
 # Fields a checkpoint may lack (written by a version that did not record them): accepted then.
 UNRECORDED_ACCEPTED = ("lora.dtype",)
+# Records a checkpoint may lack, not compared then: the base model's (lora/adapter_base.py; the
+# top-level vocab_size, hidden_size, num_layers and num_experts are compared for every checkpoint).
+UNRECORDED_PREFIXES = ("base.",)
 
 # Top-level metadata entries never compared: the record of the flags of the run that wrote a
 # checkpoint (its run_config.yaml); what a resume may change is decided by the fields above.
@@ -99,6 +102,8 @@ def metadata_differences(saved: Optional[Dict], current: Optional[Dict]
         old, new = a.get(path, missing), b.get(path, missing)
         if old is not missing and new is not missing and _canonical(old) == _canonical(new):
             continue
+        if old is missing and path.startswith(UNRECORDED_PREFIXES):
+            continue  # a checkpoint written before the record: nothing to compare
         # Checkpoints written before --lora-dtype record none: their adapters load into this
         # run's dtype (the values are converted on load).
         unrecorded = path in UNRECORDED_ACCEPTED and (old is missing or old is None)

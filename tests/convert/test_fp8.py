@@ -37,13 +37,16 @@ def tool():
     return module
 
 
-def _pair(shape, block, seed=0, scale_dtype=torch.float32):
-    """Random FP8 codes (all 256 patterns appear when there is room) and scales over many
-    binades."""
+def _pair(shape, block, seed=0, scale_dtype=torch.float32, finite=False):
+    """Random FP8 codes (all 256 patterns appear when there is room; finite: the two NaN codes
+    S.1111.111 replaced by S.1111.110, as a checkpoint read through HFCheckpoint must be) and
+    scales over many binades."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
     n = min(codes.numel(), 256)
     codes.view(-1)[:n] = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=g)[:n]]
+    if finite:
+        codes[(codes & 0x7F) == 0x7F] -= 1
     exps = torch.randint(-20, 6, fp8.scale_shape(shape, block), generator=g).to(torch.float32)
     mant = torch.rand(exps.shape, generator=g) + 0.5
     return codes.view(torch.float8_e4m3fn), (mant * torch.exp2(exps)).to(scale_dtype)
@@ -127,7 +130,7 @@ def test_checkpoint_reads_in_several_default_chunks(tmp_path, monkeypatch):
 
 def test_a_box_reads_only_its_blocks_and_equals_the_whole(tmp_path):
     block, shape = (128, 128), (300, 260)
-    q, s = _pair(shape, block, seed=2, scale_dtype=torch.bfloat16)
+    q, s = _pair(shape, block, seed=2, scale_dtype=torch.bfloat16, finite=True)
     save_file({"w.weight": q, "w.weight_scale_inv": s, "n.weight": torch.ones(3)},
               str(tmp_path / "model.safetensors"))
     ckpt = HFCheckpoint(str(tmp_path))

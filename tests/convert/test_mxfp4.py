@@ -25,7 +25,7 @@ def _pair(seed=0):
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (E, ROWS, GROUPS, 16), generator=g, dtype=torch.uint8)
     scales = torch.randint(107, 148, (E, ROWS, GROUPS), generator=g, dtype=torch.uint8)
-    scales[0, 0, :2] = torch.tensor([0, 255], dtype=torch.uint8)
+    scales[0, 0, :2] = torch.tensor([0, 254], dtype=torch.uint8)  # 255 is NaN: refused
     scales[1, 2, 1] = 1
     scales[2, 9, 3] = 254
     return blocks, scales

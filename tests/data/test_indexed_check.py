@@ -93,6 +93,8 @@ CASES = [
     ("pointer past the end", lambda p: _patch(p + ".idx", POINTERS + 8 * (N - 1), "<q",
                                               _bin_size(p) - 2), ".idx",
      "outside its"),
+    ("pointer between two ids", lambda p: _patch(p + ".idx", POINTERS + 8, "<q", 7), ".idx",
+     "places sequence 1 at byte 7 of "),  # uint16 ids: read from byte 7, beyond the vocabulary
     ("huge pointer", lambda p: _patch(p + ".idx", POINTERS, "<q", 2 ** 63 - 1), ".idx",
      "places sequence 0 at bytes 9223372036854775807.."),
     ("loss-mask pointer past the end", lambda p: _patch(

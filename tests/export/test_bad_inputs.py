@@ -143,8 +143,11 @@ def test_export_with_the_wrong_model_config(good_peft, tiny, tmp_path):
     import_peft(good_peft, ckpt, hf_config=tiny["hf"])
     other = str(tmp_path / "wide")
     make_tiny_mixtral(other, hidden_size=96)
-    with pytest.raises(ConversionError) as info:
+    with pytest.raises(ConversionError) as info:  # the base the import recorded differs
         export_peft(ckpt, str(tmp_path / "out"), hf_config=other)
+    assert "(differing: hidden_size, head_dim)" in str(info.value)
+    with pytest.raises(ConversionError) as info:  # told it is intended: the shapes still differ
+        export_peft(ckpt, str(tmp_path / "out"), hf_config=other, allow_other_base=True)
     assert "decoder.layers.self_attention.linear_qkv.lora_A" in str(info.value)
     assert not (tmp_path / "out").exists()
 

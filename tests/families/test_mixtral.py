@@ -12,6 +12,11 @@ from megatron_lora.families import ModelConfigError, model_info, read_hf_config
 from tests.convert.tiny import TINY_CONFIG
 
 BASE = dict(TINY_CONFIG, architectures=["MixtralForCausalLM"], model_type="mixtral")
+CONFIG_V2 = dict(vocab_size=250, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, n_routed_experts=8,
+                 num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16,
+                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                 architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
 
 
 def _write(tmp_path, text, name="config.json"):
@@ -61,12 +66,21 @@ def test_wrong_field_types_are_named(change, message):
     assert message in text, text
 
 
-def test_missing_required_field_says_so():
+def test_a_missing_field_takes_transformers_default_and_says_so_when_refused():
     cfg = dict(BASE)
     del cfg["hidden_size"]
-    with pytest.raises(ModelConfigError, match="field 'hidden_size' must be a positive integer, "
-                                                 r"got nothing \(the field is missing\)"):
-        model_info(cfg)
+    info = model_info(cfg)  # MixtralConfig's default, as transformers reads the file
+    assert info.shape.hidden_size == 4096 and info.defaulted == (("hidden_size", 4096),)
+    assert "config.json does not set hidden_size: transformers' defaults hidden_size=4096" in \
+        info.defaults_note()
+    del cfg["num_experts_per_tok"], cfg["num_local_experts"]  # defaults 2 of 8: fine
+    assert model_info(cfg).shape.moe_router_topk == 2
+    v2 = dict(CONFIG_V2)
+    del v2["num_experts_per_tok"]  # DeepseekV2Config's default is None: no model
+    with pytest.raises(ModelConfigError, match="field 'num_experts_per_tok' must be a positive "
+                       r"integer, got nothing \(the field is missing, and transformers' default "
+                       r"is null\)"):
+        model_info(v2)
 
 
 @pytest.mark.parametrize("change", [

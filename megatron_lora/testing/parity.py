@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
+from megatron_lora import runtime
 from megatron_lora.models.gpt import ModelShape, build_gpt_model, transformer_config
 from megatron_lora.runtime.layout import ParallelLayout
 from megatron_lora.testing.reference import load_weights, save_weights
@@ -32,9 +33,11 @@ class ParityBatch:
 
 
 def make_batch(shape: ModelShape, spec: ParityBatch) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Global token ids and next-token labels [B, S], the same on every rank."""
-    g = torch.Generator().manual_seed(spec.seed)
-    tokens = torch.randint(0, shape.vocab_size, (spec.batch_size, spec.seq_length + 1), generator=g)
+    """Global token ids and next-token labels [B, S], the same on every rank, on the rank's
+    device (drawn on the host from a seeded generator, so alike on any device)."""
+    g = torch.Generator(device="cpu").manual_seed(spec.seed)
+    tokens = torch.randint(0, shape.vocab_size, (spec.batch_size, spec.seq_length + 1),
+                           generator=g, device="cpu").to(runtime.device())
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
@@ -59,7 +62,7 @@ def assert_held_by(value: object, expected: int, what: str = "the result") -> bo
     A check written as `if value is not None: assert ...` passes without asserting anything
     when no rank holds the value (a wrong stage or writer-rank test); counting the holders over
     the world first closes that hole. Every rank raises alike (the count is all-reduced)."""
-    held = torch.tensor([0 if value is None else 1], dtype=torch.int64)
+    held = torch.tensor([0 if value is None else 1], dtype=torch.int64, device=runtime.device())
     dist.all_reduce(held)
     if int(held.item()) != expected:
         raise AssertionError(f"{what} was returned on {int(held.item())} of "
@@ -79,10 +82,10 @@ def run_reference(directory: str, shape: ModelShape, spec: ParityBatch = ParityB
     if dist.get_world_size() != 1:
         raise RuntimeError("run_reference runs at world size 1")
     layout = ParallelLayout()
-    model = build_gpt_model(shape, transformer_config(shape, layout))
+    model = build_gpt_model(shape, transformer_config(shape, layout)).to(runtime.device())
     save_weights(model, os.path.join(directory, "weights"))
     loss, grad = loss_and_embedding_grad(model, shape, spec)
-    save_file({"loss": loss.reshape(1), "embedding_grad": grad},
+    save_file({"loss": loss.reshape(1).cpu(), "embedding_grad": grad.cpu()},
               os.path.join(directory, "reference.safetensors"))
 
 
@@ -99,5 +102,6 @@ def run_layout(
 ):
     """Load the reference weights at `layout` and return (loss, gathered embedding grad or None)."""
     model = build_gpt_model(shape, transformer_config(shape, layout, dispatcher=dispatcher))
+    model.to(runtime.device())
     load_weights(model, os.path.join(directory, "weights"))
     return loss_and_embedding_grad(model, shape, spec)

@@ -2,9 +2,10 @@
 
 One process runs train (LoRA with grouped and per-expert MLPs, DoRA with dropout and rsLoRA,
 prefix tuning, new tokens, an NF4 base, validation, a resume, an --adapter start), generate
-(greedy and sampled), logits and the exports under the check: no op mixes host and device
+(greedy and sampled), logits, the exports and parity's reference under the check: no op mixes host and device
 tensors, no collective gets a host tensor, no package factory lacks a device, and the package
-reads device values on the host once per log line, never per micro-batch. Then each of the four
+reads device values on the host once per log line, never per micro-batch; so do `parity`, and
+train, generate and parity at two ranks. Then each of the four
 bugs the first GPU run met is put back (tests/testing/_device_bugs.py) and must be caught.
 """
 
@@ -98,6 +99,7 @@ def clean_run(tiny):
         ["export", "peft", "--adapter", "runs/grouped", "--load-hf", "hf", "--save", "peft"],
         ["export", "hf", "--load", "mcore", "--adapter", "runs/dora", "--merge",
          "--save", "merged", "--no-progress"],
+        ["parity", "reference", "--dir", "parity"],
     ]
     # new tokens need a tokenizer with room for them: the tiny model's own
     tokens = commands[6]
@@ -177,10 +179,11 @@ def _torchrun(tiny, command, report, ranks=2):
     return out, seen
 
 
-def test_several_ranks_run_as_on_gpus(tiny):
+def test_several_ranks_run_as_on_gpus(tiny, clean_run):
     """Two ranks, each checked: training at TP2 with sequence parallelism and EP2 with the
     all-to-all dispatcher (the LoRA path's TP collectives, megatron's token all-to-all), then
-    generate with that adapter at PP2 (pipeline sends, the chosen token's broadcast)."""
+    generate with that adapter at PP2 (pipeline sends, the chosen token's broadcast), then the
+    parity check of the one-rank reference (clean_run's) at TP2+SP and PP2."""
     train = _train(tiny, "runs/ranks", *LORA, "--tensor-model-parallel-size", "2",
                    "--sequence-parallel", "--expert-model-parallel-size", "2",
                    "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type",
@@ -188,7 +191,8 @@ def test_several_ranks_run_as_on_gpus(tiny):
     generate = ["generate", "--load-hf", "hf", "--adapter", "runs/ranks", "--tokenizer", "hf",
                 "--prompts", "prompts.jsonl", "--out", "ranks.jsonl", "--max-new-tokens", "3",
                 "--pipeline-model-parallel-size", "2"]
-    for name, command in (("train", train), ("generate", generate)):
+    parity = ["parity", "check", "--dir", "parity", "--layouts", "TP2+SP", "PP2"]
+    for name, command in (("train", train), ("generate", generate), ("parity", parity)):
         out, seen = _torchrun(tiny, command, os.path.join(tiny, f"ranks-{name}.json"))
         assert out.returncode == 0, out.stderr[-3000:]
         for rank, report in enumerate(seen):

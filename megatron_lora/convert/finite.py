@@ -35,7 +35,8 @@ def _first(tensor: torch.Tensor, bad: torch.Tensor, offset: Sequence[int]):
     """(index of the first True of `bad` in the whole tensor, `tensor`'s value there as a
     float); `offset`: where the piece starts on each leading axis."""
     flat = int(torch.nonzero(bad.reshape(-1))[0])
-    local = list(torch.unravel_index(torch.tensor(flat), bad.shape)) if bad.dim() else []
+    local = list(torch.unravel_index(torch.tensor(flat, device=bad.device), bad.shape)) \
+        if bad.dim() else []
     offset = list(offset) + [0] * (len(local) - len(offset))
     return ([int(i) + int(o) for i, o in zip(local, offset)],
             float(tensor.reshape(-1)[flat].float()))

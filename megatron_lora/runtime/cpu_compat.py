@@ -212,7 +212,7 @@ def _no_cuda_rng_state(device=None, clone: bool = False, graph_safe: bool = Fals
     megatron's own calls next to this one: the CPU default generator (`torch.get_rng_state()`,
     which dropout, and LoRA's dropout keys, draw from on CPU) and the named tracker streams
     (CpuRNGStatesTracker.get_states, CPU generator states)."""
-    return torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 def _set_no_cuda_rng_state(new_state=None, device: int = -1, graph_safe: bool = False) -> None:

@@ -86,12 +86,13 @@ def worst_element(actual: torch.Tensor, expected: torch.Tensor, bound) -> dict:
     diff = (a - e).abs()
     both_nan = torch.isnan(a) & torch.isnan(e)
     diff = torch.where(both_nan, torch.zeros_like(diff), diff.nan_to_num(nan=math.inf))
-    b = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
+    b = torch.as_tensor(bound, dtype=torch.float64, device=diff.device).expand_as(diff)
     excess = (diff - b).reshape(-1)
     if not excess.numel():
         return dict(index=(), actual=0.0, expected=0.0, diff=0.0, bound=0.0, over=0, numel=0)
     flat = int(excess.argmax())
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat, device=diff.device),
+                                                      diff.shape))
     return dict(index=index, actual=float(a[index]), expected=float(e[index]),
                 diff=float(diff[index]), bound=float(b[index]), over=int((excess > 0).sum()),
                 numel=excess.numel())

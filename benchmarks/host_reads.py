@@ -63,7 +63,7 @@ def measure(experts: int) -> list:
     with tempfile.TemporaryDirectory() as root:
         make_model(os.path.join(root, "hf"), experts)
         runs = [(mode, micro) for mode in MODES for micro in (1, 4)]
-        argv = [sys.executable, "-m", "megatron_lora.testing.device_check",
+        argv = [sys.executable, "-m", "megatron_lora.cli.device_check",
                 os.path.join(root, "report.json"), "--"]
         for k, (mode, micro) in enumerate(runs):
             argv += (["--then"] if k else []) + _train(f"runs/{mode}{micro}", mode, micro)

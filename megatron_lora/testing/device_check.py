@@ -30,10 +30,7 @@ Not seen: code that autograd's engine runs during backward (torch applies no Tor
 there, so its tensors and collectives go unchecked; megatron's DDP hooks copy the gradients it
 makes into device buffers).
 
-`python -m megatron_lora.testing.device_check REPORT.json [--setup MOD:FN] -- CMD ... [--then
-CMD ...]` runs `megatron-lora` commands (or a script: CMD = path/to/script.py ARGS) in one
-process under the check and writes what it saw; under torchrun each rank does (one command per
-launch), writing REPORT.json.rankN.
+`python -m megatron_lora.cli.device_check` runs commands under it (cli/device_check.py).
 """
 
 from __future__ import annotations
@@ -371,79 +368,3 @@ def count_steps(check: DeviceCheck):
         return original(*args, **kwargs)
 
     check._patch(loop, "forward_backward", counted)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """The driver (module docstring); exit 0 when every command exited 0 with no error seen."""
-    import argparse
-    import importlib
-    import json
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        raise SystemExit("usage: device_check REPORT.json [--setup MOD:FN] -- CMD ... "
-                         "[--then CMD ...]")
-    cut = argv.index("--")
-    p = argparse.ArgumentParser(prog="device_check")
-    p.add_argument("report")
-    p.add_argument("--setup", action="append", default=[], metavar="MOD:FN",
-                   help="call this before the commands (a test's injected change)")
-    opts = p.parse_args(argv[:cut])
-    commands, current = [], []
-    for word in argv[cut + 1:]:
-        if word == "--then":
-            commands.append(current)
-            current = []
-        else:
-            current.append(word)
-    commands.append(current)
-
-    from megatron_lora import cli
-
-    check = DeviceCheck()
-    codes = []
-    with check:
-        count_steps(check)
-        for spec in opts.setup:
-            module, fn = spec.split(":")
-            getattr(importlib.import_module(module), fn)()
-        for index, command in enumerate(commands):
-            check.start_command(index)
-            if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # alone: a fresh port a command
-                os.environ["MASTER_PORT"] = str(_free_port())
-            try:
-                if command and command[0].endswith(".py"):  # a script, run as __main__
-                    import runpy
-
-                    sys.argv = list(command)
-                    runpy.run_path(command[0], run_name="__main__")
-                    code = 0
-                else:
-                    code = cli.main(command)
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-            except Exception as exc:  # noqa: BLE001 - the report must be written
-                import traceback
-
-                traceback.print_exc()
-                check.errors.append(f"command {index} raised {type(exc).__name__}: {exc}")
-                code = 1
-            codes.append(code)
-    report = opts.report
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: a report per rank
-        report = f"{report}.rank{os.environ.get('RANK', '0')}"
-    with open(report, "w") as f:
-        json.dump(dict(check.report(), commands=commands, exit_codes=codes), f, indent=1)
-    return 0 if not check.errors and not any(codes) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

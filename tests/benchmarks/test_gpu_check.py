@@ -209,7 +209,7 @@ def checked_run(tmp_path_factory):
         if shape not in _CHECKED:
             report = str(tmp_path_factory.mktemp("checked") / "report.json")
             out = subprocess.run(
-                [sys.executable, "-m", "megatron_lora.testing.device_check", report, "--",
+                [sys.executable, "-m", "megatron_lora.cli.device_check", report, "--",
                  "benchmarks/gpu/check.py", "--tiny", "--steps", "1", "--warmup", "0",
                  "--shape", shape],
                 cwd=REPO, capture_output=True, text=True, timeout=600,

@@ -50,7 +50,7 @@ LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--lor
 def _run(tiny, commands, setup=None, timeout=TIMEOUT_S):
     """Start the driver over `commands` in tiny's folder; returns (Popen, report path)."""
     report = os.path.join(tiny, f"report-{setup or 'clean'}.json")
-    argv = [sys.executable, "-m", "megatron_lora.testing.device_check", report]
+    argv = [sys.executable, "-m", "megatron_lora.cli.device_check", report]
     if setup:
         argv += ["--setup", f"tests.testing._device_bugs:{setup}"]
     argv.append("--")
@@ -167,7 +167,7 @@ def test_each_first_gpu_bug_is_caught(tiny, bug, expected):
 def _torchrun(tiny, command, report, ranks=2):
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
             "--master-port", str(29700 + os.getpid() % 200), "-m",
-            "megatron_lora.testing.device_check", report, "--", *command]
+            "megatron_lora.cli.device_check", report, "--", *command]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(argv, cwd=tiny, env=env, capture_output=True, text=True,

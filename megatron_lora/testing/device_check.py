@@ -26,9 +26,10 @@ step pass every CPU test. While a `DeviceCheck` is active:
   `numpy`, a copy to the host: each a stream synchronisation on a GPU) is recorded with its call
   site and the training step it belongs to (`steps`, counted by calls of the training step).
 
-Not seen: code that autograd's engine runs during backward (torch applies no TorchFunctionMode
-there, so its tensors and collectives go unchecked; megatron's DDP hooks copy the gradients it
-makes into device buffers).
+The backward of custom autograd Functions (the package's LoRA, expert and collective Functions,
+megatron's) runs under the check too, its incoming gradients taken as device tensors. Not seen:
+the rest of what autograd's engine runs (built-in ops' backward, gradient hooks: megatron's DDP
+hooks copy the gradients into device buffers), where torch applies no function mode.
 
 `python -m megatron_lora.cli.device_check` runs commands under it (cli/device_check.py).
 """
@@ -321,10 +322,30 @@ class DeviceCheck(TorchFunctionMode):
         self._patched[(owner, name)] = getattr(owner, name)
         setattr(owner, name, value)
 
+    def _wrap_backward(self, original):
+        """autograd's engine runs a custom Function's backward with no function mode: run it
+        under this one, its incoming gradients on the device (where their outputs were)."""
+        check = self
+
+        def apply(node, *args):
+            if check._active():
+                return original(node, *args)
+            check._mark_device(args)
+            TorchFunctionMode.__enter__(check)  # the mode only, not __enter__'s patches
+            try:
+                return original(node, *args)
+            finally:
+                TorchFunctionMode.__exit__(check, None, None, None)
+
+        return apply
+
     def __enter__(self):
+        from torch.autograd.function import BackwardCFunction
+
         from megatron_lora.runtime import cpu_compat
 
         cpu_compat.install()
+        self._patch(BackwardCFunction, "apply", self._wrap_backward(BackwardCFunction.apply))
         self._previous_rank = cpu_compat.set_rank_device(RANK)
         from torch.distributed import distributed_c10d as c10d
 

@@ -279,7 +279,8 @@ def dequantize_parts(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype
     m, half = codes.shape
     pairs, _ = code_books(codes.device)
     absmax = block_absmax(qabsmax, scale2, offsets, layout, half * 2)  # [m, k/64]
-    values = pairs[codes.long()].view(m, half * 2 // BLOCK, BLOCK)
+    # int32 indices: half the transient of int64 ones and about twice as fast to gather here
+    values = pairs[codes.int()].view(m, half * 2 // BLOCK, BLOCK)
     w = (values * absmax.unsqueeze(-1)).view(m, half * 2).to(dtype)
     return w if out is None else out.copy_(w)
 

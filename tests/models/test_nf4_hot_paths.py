@@ -3,7 +3,9 @@ projections are dense NF4 linears and whose experts are grouped NF4 linears:
 - nothing reads an NF4 layer's `weight` (each read dequantises the whole matrix): not LoRA or
   DoRA while the adapters are built, not the training loop, the grouped experts or the router;
 - nothing autograd keeps for backward is the size of a weight: every tensor saved by the forward
-  is bounded by the step's widest activation, which is smaller than the smallest NF4 weight."""
+  is bounded by the step's widest activation, which is smaller than the smallest NF4 weight;
+- the step holds at most about one dequantised expert more than the same step on a bf16 base
+  (benchmarks/qlora_memory.py's measurement at a smaller shape)."""
 
 import dataclasses
 
@@ -117,3 +119,29 @@ def test_nothing_weight_sized_is_saved_for_backward(layout=ParallelLayout()):
                                 f">= {smallest})")
     lora_grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
     assert lora_grads and all(g is not None for g in lora_grads)
+
+
+@multirank(world_size=1, timeout=300)
+def test_qlora_step_holds_at_most_one_dequantised_expert_more_than_lora(
+        layout=ParallelLayout()):
+    """benchmarks/qlora_memory.py at a smaller shape (hidden 256, 8 experts of ffn 512, vocab
+    512, 64 tokens): the QLoRA step's peak of live new bytes exceeds the LoRA step's by at most
+    1.25 x the largest grouped expert linear in bf16 (fc1 of all 8 experts, 4 MiB). One expert's
+    plain-torch dequantisation holds its fp32 values and product and the bf16 result,
+    (4 + 4 + 2) / (8 x 2) = 0.625 x that linear; a stack of all experts' weights alone is 1 x,
+    with the dequantised list it was built from 2 x."""
+    from benchmarks import qlora_memory as Q
+    from megatron_lora.models import grouped_experts
+
+    shape = dict(vocab_size=512, hidden_size=256, ffn_hidden_size=512, num_layers=2,
+                 num_attention_heads=4, num_query_groups=2, num_experts=8)
+    chunk, grouped_experts.CPU_CHUNK_BYTES = grouped_experts.CPU_CHUNK_BYTES, 0
+    try:
+        lora, qlora = Q.measure(False, shape, seq=64), Q.measure(True, shape, seq=64)
+    finally:
+        grouped_experts.CPU_CHUNK_BYTES = chunk
+    linear = Q.largest_grouped_linear_bytes(shape)
+    extra = qlora["peak"] - lora["peak"]
+    assert extra <= Q.TARGET * linear, (
+        f"QLoRA step peak {qlora['peak']} at {qlora['op']}, LoRA {lora['peak']} at "
+        f"{lora['op']}: extra {extra} > {Q.TARGET} x {linear}")

@@ -262,10 +262,13 @@ def dequantize_bnb(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype,
     return out
 
 
-def uses_bnb_kernel(device) -> bool:
-    """Whether dequantize_parts calls bitsandbytes' kernel on this device: on CUDA (plain torch,
-    the same values, elsewhere)."""
-    return torch.device(device).type == "cuda"
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel writes
+
+
+def uses_bnb_kernel(device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether dequantize_parts calls bitsandbytes' kernel for this device and dtype: on CUDA,
+    in the dtypes it writes (plain torch, the same values, otherwise)."""
+    return torch.device(device).type == "cuda" and dtype in _KERNEL_DTYPES
 
 
 def dequantize_parts(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype,
@@ -274,7 +277,7 @@ def dequantize_parts(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype
     bitsandbytes does it (block scale = dyn8 * scale2 + offset, value = nf4 * block scale).
     On CUDA bitsandbytes' own kernel (dequantize_bnb); elsewhere plain torch. out: an optional
     contiguous [m, k] tensor in dtype to write into."""
-    if uses_bnb_kernel(codes.device):
+    if uses_bnb_kernel(codes.device, dtype):
         return dequantize_bnb(codes, qabsmax, scale2, offsets, layout, dtype, out)
     m, half = codes.shape
     pairs, _ = code_books(codes.device)

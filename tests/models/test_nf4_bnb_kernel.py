@@ -79,9 +79,11 @@ def test_whole_weight_state_is_the_one_quantize_4bit_returned():
     assert torch.equal(bnbf.dequantize_4bit(q, st), bnbf.dequantize_4bit(q, ref))
 
 
-def test_the_kernel_is_chosen_on_cuda_only():
+def test_the_kernel_is_chosen_on_cuda_in_its_dtypes_only():
     assert N.uses_bnb_kernel("cuda") and N.uses_bnb_kernel(torch.device("cuda", 1))
     assert not N.uses_bnb_kernel("cpu") and not N.uses_bnb_kernel("meta")
+    assert all(N.uses_bnb_kernel("cuda", dtype) for dtype in DTYPES)
+    assert not N.uses_bnb_kernel("cuda", torch.float64)  # not a dtype the kernel writes
 
 
 def test_out_buffer_is_written(fused):

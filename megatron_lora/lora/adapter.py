@@ -55,7 +55,8 @@ from megatron_lora.lora.checkpoint import (
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import draw_dropout_key
 from megatron_lora.lora.factors import init_global_factors, shard_like_base, up_projection
-from megatron_lora.lora.parallel import COLUMN, LinearGeometry, describe_base_layer
+from megatron_lora.lora.parallel import (COLUMN, LinearGeometry, base_weight_meta,
+                                          describe_base_layer)
 from megatron_lora.lora.projection import lora_down
 
 
@@ -111,7 +112,7 @@ class LoraAdapter(torch.nn.Module):
         # for dropout, since expert rows are the dispatcher's permuted tokens. None: dense.
         self.dropout_rows = None
 
-        weight = base_layer.weight
+        weight = base_weight_meta(base_layer)
         if weight is None:  # output layer with tied embeddings: the weight comes at forward
             dtype, device = config.dtype or base_layer.config.params_dtype, None
         else:

@@ -57,6 +57,12 @@ def squared_row_norms(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.
     return merged.square_().sum(dim=1)
 
 
+def base_weight(layer) -> torch.Tensor:
+    """The base's weight [out_local, in_local] on its device: an NF4 base's dequantised (once,
+    explicitly, by its own method) in its stored dtype, the values its `weight` reads give."""
+    return layer.dequantized_weight() if getattr(layer, "nf4", False) else layer.weight
+
+
 @torch.no_grad()
 def weight_norm(adapter, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 [out_local] = ||W + scale * B A||_row for this rank's output rows, detached.
@@ -64,7 +70,7 @@ def weight_norm(adapter, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     Row-parallel bases (input dimension split over the group) sum the squared norms over the
     base's own group: one all-reduce of [out] (adapter.geometry.tp_group)."""
     g = adapter.geometry
-    weight = adapter.base_layer.weight if weight is None else weight
+    weight = base_weight(adapter.base_layer) if weight is None else weight
     sq = squared_row_norms(weight, adapter.lora_A, adapter.lora_B, adapter.scaling)
     if g.mode == ROW and _group_size(g.tp_group) > 1:
         dist.all_reduce(sq, group=g.tp_group)
@@ -116,4 +122,4 @@ def check_dora_base(geometry) -> None:
 
 
 __all__ = ["MAGNITUDE", "added_bias", "check_dora_base", "combine", "dropped_input",
-           "squared_row_norms", "weight_norm"]
+           "base_weight", "squared_row_norms", "weight_norm"]

@@ -17,6 +17,7 @@ raises the same error on every rank before any collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -121,8 +122,19 @@ def _expert_flags(base: torch.nn.Module) -> dict:
     )
 
 
+def base_weight_meta(layer):
+    """What an adapter reads of its base's weight (dtype, device, the parallel attributes such
+    as `allreduce`) without reading an NF4 base's `weight`, which dequantises the whole matrix
+    (models/nf4_linear.py): that base answers from its codes' device and stored dtype. Other
+    bases: their weight itself (None for a tied output layer)."""
+    if not getattr(layer, "nf4", False):
+        return getattr(layer, "weight", None)
+    return SimpleNamespace(dtype=layer.nf4_dtype, device=layer.nf4_codes.device,
+                           **layer.nf4_weight_attributes)
+
+
 def _stride(base: torch.nn.Module) -> int:
-    weight = getattr(base, "weight", None)
+    weight = base_weight_meta(base)
     stride = int(getattr(weight, "partition_stride", 1) or 1) if weight is not None else 1
     return max(stride, 1)
 
@@ -182,7 +194,8 @@ def describe_base_layer(base: torch.nn.Module) -> LinearGeometry:
     if isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
         _reject_partial_input_grad(base)
         column = isinstance(base, ColumnParallelLinear)
-        if getattr(base, "weight", None) is None and not column:
+        weight = base_weight_meta(base)
+        if weight is None and not column:
             raise UnsupportedBaseLayerError(
                 f"base_layer {type(base).__name__} allocates no weight; LoraAdapter needs one"
             )
@@ -207,7 +220,7 @@ def describe_base_layer(base: torch.nn.Module) -> LinearGeometry:
             input_is_parallel=True if column else bool(base.input_is_parallel),
             stride=_stride(base) if column else 1,
             # A column layer without its own weight (tied output layer) gets one at forward.
-            weight_at_forward=column and getattr(base, "weight", None) is None,
+            weight_at_forward=column and weight is None,
             **flags,
         )
     raise UnsupportedBaseLayerError(

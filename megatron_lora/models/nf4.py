@@ -11,7 +11,8 @@ weight is cut into the projections it fuses (linear_qkv: q, k, v; a gated fc1: g
 tensors QLoRA quantises in a Hugging Face model, each expert's matrix on its own. `segments`
 says which rows of w come from which part: (part, first row in the part, rows) runs in w's row
 order. Quantisation calls bitsandbytes (on CPU, in fp32), so the values are QLoRA's by
-construction; dequantisation is plain torch, here, on any device:
+construction; dequantisation is bitsandbytes' dequantize_4bit kernel on CUDA (quant_states
+builds the QuantState the stored values are) and plain torch elsewhere, the same values:
     value = nf4[code] * (dyn8[qabsmax[block]] * scale2[part][block // 256] + offset[part])
 with `code` the element's 4-bit index (two per byte, the first element in the high nibble),
 `qabsmax` the block's 8-bit double-quantised scale, `scale2` one fp32 per 256 blocks of the part
@@ -180,6 +181,12 @@ def quantize_parts(w: torch.Tensor, segments=None) -> NF4Shard:
                     global_cols=k, runs=tuple((n, p, r, bases[p]) for p, r, n in segments))
 
 
+def nf4_code(device) -> torch.Tensor:
+    """The 16 NF4 values, fp32 on device (bitsandbytes' code for quant_type nf4)."""
+    pairs, _ = code_books(device)
+    return pairs[::16, 0].contiguous()
+
+
 def code_books(device) -> Tuple[torch.Tensor, torch.Tensor]:
     """(pairs [256, 2], dyn8 [256]) fp32 on device: the NF4 values of both nibbles of every
     byte (high nibble first) and bitsandbytes' signed dynamic 8-bit code; made once per device."""
@@ -196,15 +203,89 @@ def code_books(device) -> Tuple[torch.Tensor, torch.Tensor]:
     return books
 
 
-def dequantize_parts(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype) -> torch.Tensor:
-    """[m, k] in dtype from the stored tensors and layout (see NF4Shard); fp32 arithmetic as
-    bitsandbytes does it (block scale = dyn8 * scale2 + offset, value = nf4 * block scale)."""
+def block_absmax(qabsmax, scale2, offsets, layout, k: int) -> torch.Tensor:
+    """fp32 [m, k/64]: each block's scale, dyn8[qabsmax] * scale2[group] + offset[part] (in
+    bitsandbytes' order: the product rounded to fp32, then the offset added)."""
+    m = qabsmax.shape[0]
+    _, dyn8 = code_books(qabsmax.device)
+    groups, parts = block_scale_index(layout, m, k, qabsmax.device)
+    return dyn8[qabsmax.long()] * scale2[groups] + offsets[parts].unsqueeze(1)
+
+
+def quant_states(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype) -> list:
+    """[(first row, end row, bitsandbytes QuantState)] covering the shard's rows: what
+    `bitsandbytes.functional.dequantize_4bit(codes[r0:r1].reshape(-1, 1), state)` turns into
+    those rows in dtype (the values of dequantize_parts, bit for bit). Each run of rows of one
+    part that starts on a group of 256 blocks of its part and holds whole rows gets the nested
+    state quantize_4bit returned for the part, cut to the run (uint8 block scales, its scale2
+    slice as state2, the part's offset); otherwise (a row-parallel shard's columns, a run
+    starting inside a group) one plain state for all rows with the fp32 block scales."""
+    bnbf = _bnb()
     m, half = codes.shape
-    pairs, dyn8 = code_books(codes.device)
-    groups, parts = block_scale_index(layout, m, half * 2, codes.device)
-    absmax = dyn8[qabsmax.long()] * scale2[groups] + offsets[parts].unsqueeze(1)  # [m, k/64]
-    values = pairs[codes.long()].view(m, half * 2 // BLOCK, BLOCK)
-    return (values * absmax.unsqueeze(-1)).view(m, half * 2).to(dtype)
+    k = half * 2
+    global_cols, runs, col0 = layout
+    per_row = global_cols // BLOCK
+    _, dyn8 = code_books(codes.device)
+    nf4 = nf4_code(codes.device)
+    whole = col0 == 0 and k == global_cols
+    if not whole or any((row0 * per_row) % GROUP for _, _, row0, _ in runs):
+        absmax = block_absmax(qabsmax, scale2, offsets, layout, k).reshape(-1)
+        return [(0, m, bnbf.QuantState(absmax=absmax, shape=(m, k), code=nf4, blocksize=BLOCK,
+                                        quant_type="nf4", dtype=dtype))]
+    states, r = [], 0
+    for n, part, row0, base in runs:
+        first = row0 * per_row  # the run's first block in its part
+        g0, g1 = base + first // GROUP, base + -(-(first + n * per_row) // GROUP)
+        state2 = bnbf.QuantState(absmax=scale2[g0:g1], code=dyn8, blocksize=GROUP,
+                                 dtype=torch.float32)
+        states.append((r, r + n, bnbf.QuantState(
+            absmax=qabsmax[r:r + n].reshape(-1), shape=(n, k), code=nf4, blocksize=BLOCK,
+            quant_type="nf4", dtype=dtype, offset=offsets[part], state2=state2)))
+        r += n
+    return states
+
+
+def dequantize_bnb(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype,
+                   out=None) -> torch.Tensor:
+    """[m, k] in dtype by bitsandbytes' dequantize_4bit kernel (on the codes' device), into
+    `out` when given (a contiguous [m, k] tensor in dtype, e.g. a buffer reused per expert)."""
+    bnbf = _bnb()
+    m, half = codes.shape
+    if out is None:
+        out = torch.empty((m, half * 2), dtype=dtype, device=codes.device)
+    for r0, r1, state in quant_states(codes, qabsmax, scale2, offsets, layout, dtype):
+        packed = codes[r0:r1].reshape(-1, 1)  # bitsandbytes' [(n k + 1) // 2, 1] packed form
+        if out.is_cuda:
+            bnbf.dequantize_4bit(packed, state, out=out[r0:r1])
+        else:  # bitsandbytes' CPU backend has no `out=` variant of the op
+            out[r0:r1].copy_(bnbf.dequantize_4bit(packed, state))
+    return out
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel writes
+
+
+def uses_bnb_kernel(device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether dequantize_parts calls bitsandbytes' kernel for this device and dtype: on CUDA,
+    in the dtypes it writes (plain torch, the same values, otherwise)."""
+    return torch.device(device).type == "cuda" and dtype in _KERNEL_DTYPES
+
+
+def dequantize_parts(codes, qabsmax, scale2, offsets, layout, dtype: torch.dtype,
+                     out=None) -> torch.Tensor:
+    """[m, k] in dtype from the stored tensors and layout (see NF4Shard); fp32 arithmetic as
+    bitsandbytes does it (block scale = dyn8 * scale2 + offset, value = nf4 * block scale).
+    On CUDA bitsandbytes' own kernel (dequantize_bnb); elsewhere plain torch. out: an optional
+    contiguous [m, k] tensor in dtype to write into."""
+    if uses_bnb_kernel(codes.device, dtype):
+        return dequantize_bnb(codes, qabsmax, scale2, offsets, layout, dtype, out)
+    m, half = codes.shape
+    pairs, _ = code_books(codes.device)
+    absmax = block_absmax(qabsmax, scale2, offsets, layout, half * 2)  # [m, k/64]
+    # int32 indices: half the transient of int64 ones and about twice as fast to gather here
+    values = pairs[codes.int()].view(m, half * 2 // BLOCK, BLOCK)
+    w = (values * absmax.unsqueeze(-1)).view(m, half * 2).to(dtype)
+    return w if out is None else out.copy_(w)
 
 
 def dequantize(shard: NF4Shard, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -213,5 +294,6 @@ def dequantize(shard: NF4Shard, dtype: torch.dtype = torch.float32) -> torch.Ten
                             shard.layout, dtype)
 
 
-__all__ = ["BLOCK", "NF4Shard", "NF4Unavailable", "block_scale_index", "code_books",
-           "dequantize", "dequantize_parts", "quantize_parts"]
+__all__ = ["BLOCK", "NF4Shard", "NF4Unavailable", "block_absmax", "block_scale_index",
+           "code_books", "dequantize", "dequantize_bnb", "dequantize_parts", "nf4_code",
+           "quant_states", "quantize_parts", "uses_bnb_kernel"]

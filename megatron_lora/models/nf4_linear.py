@@ -8,16 +8,23 @@ flags and the sharded-state-dict keys are unchanged) but its `weight` Parameter 
 uint8 buffers (codes, block scales) and two small fp32 ones (the second-level scales). Each
 forward dequantises the weight into the input's dtype inside `_NF4MatMul`, an autograd Function
 that keeps no dequantised copy for backward: backward dequantises again for the input gradient
-(a frozen base has no weight gradient). The collectives around the GEMM are megatron's own
-mappings, chosen exactly as ColumnParallelLinear.forward / RowParallelLinear.forward choose them
-(SP all-gather with a reduce-scatter backward, the TP all-reduce of the input gradient, the row
-output's reduce or reduce-scatter, nothing for experts with explicit expert communication).
+(a frozen base has no weight gradient). On CUDA the dequantisation is bitsandbytes' kernel, on
+CPU plain torch (models/nf4.py dequantize_parts). Grouped experts (`grouped_nf4`) dequantise
+one expert at a time (on CUDA into one buffer reused by every expert) and run that expert's rows'
+GEMM from it, in forward and again in backward: never a stack of all experts' weights. The
+collectives around the GEMM are megatron's own mappings, chosen exactly as
+ColumnParallelLinear.forward / RowParallelLinear.forward choose them (SP all-gather with a
+reduce-scatter backward, the TP all-reduce of the input gradient, the row output's reduce or
+reduce-scatter, nothing for experts with explicit expert communication).
 
 `linear.weight` still answers, as a fresh dequantised tensor in the compute dtype (with the old
-Parameter's parallel attributes): what LoRA reads for the factors' dtype and device and DoRA for
-its row norms. It is not a Parameter, so writing into it changes nothing: merging onto an NF4
-base is refused (lora/merge.py). The buffers are not persistent: checkpoints of the model hold
-what they held before minus the base weight, which is re-quantised from the base on load.
+Parameter's parallel attributes), for code outside the training path; it dequantises the whole
+weight on every read, so the hot paths never read it: LoRA takes the dtype, device and parallel
+attributes from `nf4_dtype`, the codes and `nf4_weight_attributes` (lora/dora.py
+base_weight_meta), DoRA asks `dequantized_weight()` explicitly. It is not a Parameter, so
+writing into it changes nothing: merging onto an NF4 base is refused (lora/merge.py). The
+buffers are not persistent: checkpoints of the model hold what they held before minus the base
+weight, which is re-quantised from the base on load.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 
-from megatron_lora.lora.grouped import grouped_mm
 from megatron_lora.models.nf4 import NF4Shard, dequantize_parts
 
 _BUFFERS = ("nf4_codes", "nf4_qabsmax", "nf4_scale2", "nf4_offsets")
@@ -41,10 +47,11 @@ _KEPT_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride"
                     "sequence_parallel", "shared")
 
 
-def dequantized(module, dtype: torch.dtype) -> torch.Tensor:
-    """The module's local weight [out_local, in_local] in dtype (a new tensor)."""
+def dequantized(module, dtype: torch.dtype, out=None) -> torch.Tensor:
+    """The module's local weight [out_local, in_local] in dtype, on its buffers' device (a new
+    tensor, or written into `out`, a contiguous tensor of that shape and dtype)."""
     return dequantize_parts(module.nf4_codes, module.nf4_qabsmax, module.nf4_scale2,
-                            module.nf4_offsets, module.nf4_layout, dtype)
+                            module.nf4_offsets, module.nf4_layout, dtype, out=out)
 
 
 class _NF4MatMul(torch.autograd.Function):
@@ -65,23 +72,42 @@ class _NF4MatMul(torch.autograd.Function):
 
 
 class _GroupedNF4(torch.autograd.Function):
-    """Grouped x_e W_e^T over the token split `counts`, the E experts' NF4 weights dequantised
-    into one [E, out, in] stack in forward and again in backward (never kept in between)."""
+    """Grouped x_e W_e^T over the token split `counts`, one expert at a time: W_e dequantised
+    (into one [out, in] buffer reused by every expert of the call) and its rows' GEMM run from
+    it, in forward and again in backward; no dequantised weight is kept in between, and no
+    stack of the experts' weights is ever built. Experts without rows are not dequantised."""
 
     @staticmethod
     def forward(ctx, x, counts, modules):
         ctx.counts, ctx.modules = counts, modules
-        w = torch.stack([dequantized(m, x.dtype) for m in modules])
-        return grouped_mm(x, w.transpose(1, 2), counts)
+        return _per_expert(x, counts, modules, transpose=True)
 
     @staticmethod
     def backward(ctx, grad):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            g = grad.contiguous()
-            w = torch.stack([dequantized(m, g.dtype) for m in ctx.modules])
-            grad_x = grouped_mm(g, w, ctx.counts)
+            grad_x = _per_expert(grad.contiguous(), ctx.counts, ctx.modules, transpose=False)
         return grad_x, None, None
+
+
+def _per_expert(x: torch.Tensor, counts, modules, transpose: bool) -> torch.Tensor:
+    """Rows of group e times W_e^T (transpose) or W_e: x [N, K] -> [N, M]. The products are
+    grouped_mm's loop's (the same matmul of the same operands), so the values are too."""
+    out, buffer, start = None, None, 0
+    for module, n in zip(modules, counts):
+        if n:
+            # CUDA: bitsandbytes writes each expert into the same buffer (the matmuls run in
+            # stream order); CPU: a fresh tensor each (copying into a buffer would cost a copy).
+            buffer = dequantized(module, x.dtype, out=buffer if x.is_cuda else None)
+            w = buffer.t() if transpose else buffer
+            if out is None:
+                out = x.new_empty((x.shape[0], w.shape[1]))
+            torch.matmul(x[start:start + n], w, out=out[start:start + n])
+        start += n
+    if out is None:  # no rows at all
+        rows, cols = modules[0].nf4_codes.shape
+        out = x.new_empty((x.shape[0], rows if transpose else cols * 2))
+    return out
 
 
 def grouped_nf4(x: torch.Tensor, counts, modules) -> torch.Tensor:
@@ -106,11 +132,18 @@ class _NF4Weight:
         return w
 
 
+def _dequantized_weight(module, dtype=None) -> torch.Tensor:
+    """The local weight [out_local, in_local] dequantised in dtype (default: the stored
+    nf4_dtype); the same tensor the `weight` read gives, asked for explicitly."""
+    return dequantized(module, module.nf4_dtype if dtype is None else dtype)
+
+
 class NF4ColumnParallelLinear(ColumnParallelLinear):
     """ColumnParallelLinear with an NF4 weight (made by to_nf4_, never constructed directly)."""
 
     weight = _NF4Weight()
     nf4 = True
+    dequantized_weight = _dequantized_weight
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is not None:
@@ -135,6 +168,7 @@ class NF4RowParallelLinear(RowParallelLinear):
 
     weight = _NF4Weight()
     nf4 = True
+    dequantized_weight = _dequantized_weight
 
     def forward(self, input_):
         if self.input_is_parallel:

@@ -204,7 +204,7 @@ class LoraAdapter(torch.nn.Module):
         m = self.magnitude
         if g.dispatcher_reduces and g.mode != COLUMN:
             m = C.grad_sum(m, g.tp_group)
-        return m / D.weight_norm(self).to(m.dtype)
+        return m / D.step_weight_norm(self).to(m.dtype)
 
     def dora_forward(self, input_, output, added_bias=None, gather_output=False, base_fn=None):
         """PEFT's DoRA output: output + (m/n - 1) * W d + (m/n) * scale * B A d (dora.py).

@@ -15,7 +15,8 @@ Parallel layout (t = size of the base's group: the TP group, the expert-TP group
         complete, so n is local: no communication.
     row base (W [out, in/t]):  m [out] replicated; each rank holds a column slice of every row,
         so the squared row norms are partial sums: one all-reduce of an [out] fp32 vector over
-        the base's own group per forward (and per merge), never of an activation.
+        the base's own group each time the norm is formed (once per training step, once per
+        forward outside one, once per merge), never of an activation.
 Gradients of m: complete on every rank, except where each rank's output covers different
 tokens (row base under SP: m carries `sequence_parallel = True`, summed with the layer norms by
 finalize_model_grads) or holds a partial sum (expert row base with expert-TP: `grad_sum` inside
@@ -77,6 +78,38 @@ def weight_norm(adapter, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     return sq.sqrt_()
 
 
+# The training step in progress (training/step.py): while it runs, A, B and the base keep their
+# values (the optimizer steps after it), so each adapter forms its norm once and every
+# micro-batch, and a recomputed forward, reuses it. None outside a step: formed every forward.
+_STEP: list = [None]
+_NORM_CACHE = "_dora_step_norm"  # adapter attribute: (the step, its norm), not state
+
+
+def begin_step() -> None:
+    """A training step's forwards begin (its factors fixed until end_step)."""
+    _STEP[0] = object()
+
+
+def end_step() -> None:
+    _STEP[0] = None
+
+
+def step_weight_norm(adapter) -> torch.Tensor:
+    """weight_norm(adapter), formed once per training step (begin_step .. end_step) and reused
+    by the step's other forwards; every forward outside a step forms it. No host read decides
+    it, and every rank of a row base's group forms it at the same forward (each runs the same
+    micro-batches of the same step), so they join its all-reduce together."""
+    step = _STEP[0]
+    if step is None:
+        return weight_norm(adapter)
+    cached = adapter.__dict__.get(_NORM_CACHE)
+    if cached is not None and cached[0] is step:
+        return cached[1]
+    norm = weight_norm(adapter)
+    adapter.__dict__[_NORM_CACHE] = (step, norm)
+    return norm
+
+
 def dropped_input(x: torch.Tensor, p: float, key: torch.Tensor, token_offset: int,
                   feature_offset: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
     """dropout_p(x) with the LoRA path's mask (dropout.py), differentiable in x.
@@ -122,4 +155,5 @@ def check_dora_base(geometry) -> None:
 
 
 __all__ = ["MAGNITUDE", "added_bias", "check_dora_base", "combine", "dropped_input",
-           "base_weight", "squared_row_norms", "weight_norm"]
+           "base_weight", "begin_step", "end_step", "squared_row_norms", "step_weight_norm",
+           "weight_norm"]

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_lora import runtime
+from megatron_lora.lora import dora
 from megatron_lora.lora.dropout import clear_micro_batch_key, set_micro_batch_key
 from megatron_lora.runtime.distributed import data_parallel_slice
 from megatron_lora.runtime.rng import run_seed
@@ -119,6 +120,7 @@ def forward_backward(
             "(megatron_lora.models.gpt.transformer_config sets it)"
         )
     forward_backward_func = get_forward_backward_func()
+    dora.begin_step()  # the factors are fixed until the optimizer steps: one norm per adapter
     try:
         reduced = forward_backward_func(
             forward_step_func=partial(_forward_step, global_tokens, iteration),
@@ -131,6 +133,7 @@ def forward_backward(
         )
     finally:
         clear_micro_batch_key()
+        dora.end_step()
     return _global_mean(reduced)
 
 

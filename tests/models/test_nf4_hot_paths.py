@@ -145,3 +145,43 @@ def test_qlora_step_holds_at_most_one_dequantised_expert_more_than_lora(
     assert extra <= Q.TARGET * linear, (
         f"QLoRA step peak {qlora['peak']} at {qlora['op']}, LoRA {lora['peak']} at "
         f"{lora['op']}: extra {extra} > {Q.TARGET} x {linear}")
+
+
+@multirank(world_size=1, timeout=300)
+def test_dora_norm_is_formed_once_per_step_per_linear(layout=ParallelLayout()):
+    """Two optimizer steps of 4 microbatches each with DoRA on an NF4 base (grouped experts):
+    W + scale B A is formed (dora.squared_row_norms) once per adapter when the magnitudes are
+    initialised and once per step after that, not once per microbatch."""
+    from megatron_lora.lora import dora as D
+    from megatron_lora.lora.adapter import LoraAdapter
+    from megatron_lora.lora.model import LoraConfig, apply_lora
+    from megatron_lora.training.loop import train
+    from tests.training import _support as S
+
+    shape = dataclasses.replace(S.SHAPE, hidden_size=128, ffn_hidden_size=128, num_layers=2)
+    model = _model(shape, torch.float32)
+    calls = []
+    original = D.squared_row_norms
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    D.squared_row_norms = counting
+    try:
+        apply_lora(model, LoraConfig(r=4, lora_alpha=8, seed=11, lora_dropout=0.1,
+                                     use_dora=True, target_modules=["linear_qkv", "linear_proj",
+                                                                    "linear_fc1", "linear_fc2"]),
+                   verbose=False)
+        adapters = sum(isinstance(m, LoraAdapter) for m in model.modules())
+        assert adapters == 2 * (2 + 2 * shape.num_experts) and len(calls) == adapters
+        calls.clear()
+        steps = 2
+        config = S.run_config(iters=steps)
+        assert config.global_batch_size // config.micro_batch_size == 4  # microbatches a step
+        train([model], S.dataset(samples=8), config, S.optim(steps), layout_name="nf4")
+    finally:
+        D.squared_row_norms = original
+    # Experts that receive no token in a step form no norm: at most one per adapter per step,
+    # at least one per attention adapter (2 layers x qkv, proj) per step.
+    assert steps * 4 <= len(calls) <= steps * adapters, (len(calls), steps, adapters)

@@ -6,7 +6,7 @@
 #      on the GPU against the CPU's losses and transformers / PEFT;
 #   2. the GPU check at Mixtral-8x7B layer shapes with the qlora mode (arguments go to this call)
 #      and the transformers + PEFT peer;
-#   3. the GPU check at Qwen3-30B-A3B layer shapes, with the peer;
+#   3. the GPU check at Qwen3-30B-A3B layer shapes with the qlora mode, and the peer;
 #   4. the GPU check at DeepSeek-V3 layer shapes (2 MoE layers of 256 experts, multi-latent
 #      attention: about 50 GB of bf16 weights; 5 timed steps).
 # Prints each part's table and JSON line; exits non-zero if any part failed.
@@ -27,6 +27,6 @@ part() {  # part SECONDS COMMAND...: run it under a limit, remember a failure, g
 }
 part 330 python3 benchmarks/gpu/acceptance.py run benchmarks/gpu/.acceptance
 part 150 python3 benchmarks/gpu/check.py --base-quantization nf4 "$@"
-part 100 python3 benchmarks/gpu/check.py --shape qwen3-30b-a3b --steps 5
+part 120 python3 benchmarks/gpu/check.py --shape qwen3-30b-a3b --steps 5 --base-quantization nf4
 part 150 python3 benchmarks/gpu/check.py --shape deepseek-v3 --steps 5 --warmup 2
 exit $status

@@ -25,8 +25,8 @@ part() {  # part SECONDS COMMAND...: run it under a limit, remember a failure, g
   echo "== $* (limit ${limit} s)"
   timeout --kill-after=10 "$limit" "$@" || { echo "== exit $? from: $*"; status=1; }
 }
-part 330 python3 benchmarks/gpu/acceptance.py run benchmarks/gpu/.acceptance
+part 210 python3 benchmarks/gpu/acceptance.py run benchmarks/gpu/.acceptance
 part 150 python3 benchmarks/gpu/check.py --base-quantization nf4 "$@"
-part 120 python3 benchmarks/gpu/check.py --shape qwen3-30b-a3b --steps 5 --base-quantization nf4
-part 150 python3 benchmarks/gpu/check.py --shape deepseek-v3 --steps 5 --warmup 2
+part 90 python3 benchmarks/gpu/check.py --shape qwen3-30b-a3b --steps 5 --base-quantization nf4
+part 100 python3 benchmarks/gpu/check.py --shape deepseek-v3 --steps 5 --warmup 2
 exit $status

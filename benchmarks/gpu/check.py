@@ -19,7 +19,9 @@ own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward
     qlora       (--base-quantization nf4) the LoRA of `lora` on a frozen base whose decoder
                 linears (attention, every expert's fc1/fc2) are held in NF4 (models/nf4_model.py
                 quantize_base: bitsandbytes quantises each global weight on CPU after the bf16
-                model is built; the peak memory is reset after that, so it is the step's)
+                model is built; the peak memory is reset after that, so it is the step's), at
+                every shape (run.sh leaves it out at DeepSeek-V3's: quantising its 25 B
+                parameters on the host would take most of a device call)
 --modes NAME ... times only those modes (default: all of the shape's).
 --shape qwen3-30b-a3b builds 2 layers of Qwen3-30B-A3B instead (h 2048, 32 heads of 128 / 4 KV
 groups, per-head q/k RMSNorm, 128 experts top-8 of ffn 768, vocab 151936) and times every mode
@@ -260,9 +262,6 @@ def main(argv=None) -> int:
     args.seq = args.seq or (64 if args.tiny else 4096)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    if args.shape == "deepseek-v3" and args.base_quantization == "nf4":
-        raise SystemExit("benchmarks/gpu/check.py: --base-quantization nf4 with --shape "
-                         "deepseek-v3: its qlora mode is not built; drop one of the flags")
     shape = SHAPE_TINY if args.tiny else SHAPES[args.shape]
     if args.tiny and args.shape == "qwen3-30b-a3b":  # the same quirks at tiny sizes
         shape = dict(shape, kv_channels=24, qk_layernorm=True, num_experts=8, moe_router_topk=4)
@@ -278,7 +277,11 @@ def main(argv=None) -> int:
                      moe_router_topk_scaling_factor=2.5)
     if args.tiny and args.base_quantization == "nf4":  # NF4 blocks: widths multiple of 64
         shape = dict(shape, ffn_hidden_size=128,
-                     **({"kv_channels": 32} if "kv_channels" in shape else {}))
+                     **({"kv_channels": 32} if shape.get("kv_channels") else {}))
+        if "mla" in shape:  # every MLA linear's input 64 wide: latents, 4 heads x v 16
+            shape = dict(shape, shared_expert_ffn_hidden_size=128,
+                         mla=dict(q_lora_rank=64, kv_lora_rank=64, qk_head_dim=8,
+                                  qk_pos_emb_head_dim=8, v_head_dim=16))
     shape = dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], args.seq))
     if not torch.cuda.is_available() and not args.tiny:
         raise SystemExit("benchmarks/gpu/check.py: no CUDA device; use --tiny for the CPU "

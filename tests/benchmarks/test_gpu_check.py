@@ -189,10 +189,25 @@ def test_deepseek_v3_shape_is_its_config():
     assert (type(config).__name__, config.q_lora_rank, config.num_moe_experts,
             config.moe_router_topk, config.moe_router_group_topk, config.rope_type) == \
         ("MLATransformerConfig", 1536, 256, 8, 4, "yarn")
-    with pytest.raises(SystemExit, match="--base-quantization nf4 with --shape deepseek-v3"):
-        from benchmarks.gpu.check import main
 
-        main(["--tiny", "--shape", "deepseek-v3", "--base-quantization", "nf4"])
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_gpu_check_qlora_at_the_other_shapes(shape):
+    """qlora at the Qwen3-30B-A3B and DeepSeek-V3 shapes (tiny sizes whose linear inputs are
+    multiples of NF4's 64-wide blocks; MLA's latents and heads included): the LoRA of `lora` on
+    an NF4 base, its fields agreeing with `lora`'s."""
+    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
+                          "--warmup", "0", "--shape", shape, "--base-quantization", "nf4",
+                          "--modes", "lora", "qlora", "--no-peer"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    lora, qlora = result["modes"]["lora"], result["modes"]["qlora"]
+    assert qlora["trainable_parameters"] == lora["trainable_parameters"]
+    assert qlora["flops_per_token"] == lora["flops_per_token"]
+    assert 0.5 < qlora["nf4_bytes_per_parameter"] < 0.53 and qlora["nf4_linears"] > 0
+    assert result["qlora_over_lora"] > 0
 
 
 _CHECKED = {}

@@ -10,7 +10,8 @@ of E experts) is trained 4 iterations at --log-interval 2 under testing/device_c
 records every host read of a device value with its call site and step: with LoRA on attention
 only (the experts frozen) and on attention and every expert's fc1/fc2, the experts as
 megatron's SequentialMLP and as GroupedExperts, each with 1 and 4 micro-batches per step (global
-batch 4). Reads made inside autograd's backward are not seen (device_check.py). Prints, per run, the reads of a step between log lines
+batch 4). Reads made inside autograd's engine (built-in ops' backward, gradient hooks) are not
+seen (testing/device_check.py). Prints, per run, the reads of a step between log lines
 and of a step that ends at a log line, split into the package's (megatron_lora/) and
 megatron-core's, then one JSON line with every figure and the sites.
 """
@@ -84,8 +85,8 @@ def measure(experts: int) -> list:
         for r in reads:
             per_step[r["step"] - first + 1]["package" if "/megatron_lora/" in r["site"]
                                             else "megatron"] += 1
-        sites = collections.Counter(f"{r['site'].split('site-packages/')[-1].split('/megatron_lora/')[-1]}"
-                                    for r in reads)
+        sites = collections.Counter(
+            r["site"].split("site-packages/")[-1].split("/megatron_lora/")[-1] for r in reads)
         rows.append({"experts": experts, "mode": mode, "micro_batches": 4 // micro,
                      "between_logs": dict(per_step[1]), "at_log_line": dict(per_step[2]),
                      "sites_over_4_steps": dict(sites)})

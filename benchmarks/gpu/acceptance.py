@@ -249,7 +249,8 @@ def check_family(directory: str, family: str, device, record) -> None:
         megatron_lora(["export", "peft", "--adapter", "gpu_runs/lora", "--load-hf", "hf",
                        "--save", "peft", "--overwrite"], out)
         megatron_lora(["logits", "--load-hf", "hf", "--adapter", "gpu_runs/lora",
-                       "--tokens", "tokens.json", "--out", "lora_logits.safetensors", "--overwrite"], out)
+                       "--tokens", "tokens.json", "--out", "lora_logits.safetensors",
+                       "--overwrite"], out)
         model = PeftModel.from_pretrained(_hf_model(os.path.join(out, "hf"), device),
                                           os.path.join(out, "peft")).eval()
         with torch.no_grad():

@@ -1,6 +1,7 @@
 """Run `megatron-lora` commands under testing/device_check.py's check and write what it saw.
 
-    python -m megatron_lora.cli.device_check REPORT.json [--setup MOD:FN] -- CMD ... [--then CMD ...]
+    python -m megatron_lora.cli.device_check REPORT.json [--setup MOD:FN] -- CMD ... \
+        [--then CMD ...]
 
 runs the commands (or a script: CMD = path/to/script.py ARGS, run as __main__) one after the
 other in this process under one DeviceCheck, and writes REPORT.json: {"errors": [what a GPU would

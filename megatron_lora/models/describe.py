@@ -37,10 +37,10 @@ def _sdpa_kernels() -> str:
     if runtime.device().type != "cuda":
         return ""
     b = torch.backends.cuda
-    on = [name for name, enabled in (("flash", b.flash_sdp_enabled()),
-                                     ("memory-efficient", b.mem_efficient_sdp_enabled()),
-                                     ("cuDNN", b.cudnn_sdp_enabled()), ("math", b.math_sdp_enabled()))
-          if enabled]
+    kernels = (("flash", b.flash_sdp_enabled()),
+               ("memory-efficient", b.mem_efficient_sdp_enabled()),
+               ("cuDNN", b.cudnn_sdp_enabled()), ("math", b.math_sdp_enabled()))
+    on = [name for name, enabled in kernels if enabled]
     return f" ({', '.join(on)} kernels enabled)"
 
 

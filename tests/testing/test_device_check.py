@@ -2,11 +2,11 @@
 
 One process runs train (LoRA with grouped and per-expert MLPs, DoRA with dropout and rsLoRA,
 prefix tuning, new tokens, an NF4 base, validation, a resume, an --adapter start), generate
-(greedy and sampled), logits, the exports and parity's reference under the check: no op mixes host and device
-tensors, no collective gets a host tensor, no package factory lacks a device, and the package
-reads device values on the host once per log line, never per micro-batch; so do `parity`, and
-train, generate and parity at two ranks. Then each of the four
-bugs the first GPU run met is put back (tests/testing/_device_bugs.py) and must be caught.
+(greedy and sampled), logits, the exports and parity's reference under the check: no op mixes
+host and device tensors, no collective gets a host tensor, no package factory lacks a device,
+and the package reads device values on the host once per log line, never per micro-batch. Train,
+generate and parity run so at two ranks too. Then each of the four bugs the first GPU run met is
+put back (tests/testing/_device_bugs.py) and must be caught.
 """
 
 import collections

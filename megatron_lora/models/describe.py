@@ -30,7 +30,8 @@ def _device() -> str:
     if here.type == "cuda":
         props = torch.cuda.get_device_properties(here)
         return f"{here} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
-    return f"{here.type} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"{here.type} ({threads} thread{'s' if threads != 1 else ''})"
 
 
 def _sdpa_kernels() -> str:

@@ -164,9 +164,17 @@ def test_each_first_gpu_bug_is_caught(tiny, bug, expected):
     assert any(expected in text for text in seen), (expected, result["errors"], out[-3000:])
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _torchrun(tiny, command, report, ranks=2):
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-            "--master-port", str(29700 + os.getpid() % 200), "-m",
+            "--master-port", str(_free_port()), "-m",
             "megatron_lora.cli.device_check", report, "--", *command]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))

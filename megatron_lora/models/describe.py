@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
 from megatron_lora import runtime
 from megatron_lora.models.attention import SDPAttention
@@ -68,8 +68,9 @@ def _experts(model) -> str:
                 "grouped experts (a loop of matmuls on CPU)")
     if sequential:
         return "a loop over experts (SequentialMLP)"
-    return "none on this stage" if not any(
-        "experts" in name for name, _ in model.named_modules()) else "Transformer Engine"
+    if any(isinstance(m, TEGroupedMLP) for m in model.modules()):
+        return "Transformer Engine's grouped GEMM (TEGroupedMLP)"
+    return "none on this stage"
 
 
 def _installed(name: str) -> str:

@@ -9,8 +9,9 @@ Public API:
     keep_mask / draw_dropout_key   the layout-independent dropout mask and its key
     lora_down            the down-projection autograd op (dropout + scale, lean backward)
 MoE / vocabulary (docs/lora.md, "MoE, router, embedding and output layer"):
-    wrap_experts         per-expert adapters on a SequentialMLP's fc1/fc2 (global expert names)
-    GroupedExpertLora    all local experts' adapters with one grouped matmul per factor
+    wrap_experts         LoRA on an MoE layer's experts: one ExpertLora per fc1 / fc2, the
+                         local experts' factors stacked (global expert names and seeds)
+    ExpertLora           those stacked adapters (grouped matmuls over the experts' rows)
     wrap_router          RouterLora on a TopKRouter gate
     wrap_embedding       EmbeddingLora on a VocabParallelEmbedding
     wrap_output_layer    LoraAdapter on the column-parallel output layer (own or tied weight)
@@ -31,8 +32,9 @@ from megatron_lora.lora.parallel import (
 )
 from megatron_lora.lora.embedding import EmbeddingLora, wrap_embedding, wrap_output_layer
 from megatron_lora.lora.gather import global_factors
-from megatron_lora.lora.experts import EXPERT_TARGETS, global_expert_index, wrap_experts
-from megatron_lora.lora.grouped import GroupedExpertLora, grouped_linear
+from megatron_lora.lora.experts import (EXPERT_TARGETS, ExpertLora, global_expert_index,
+                                        wrap_experts)
+from megatron_lora.lora.grouped import grouped_linear
 from megatron_lora.lora.projection import lora_down
 from megatron_lora.lora.router import RouterLora, wrap_router
 
@@ -41,7 +43,7 @@ __all__ = [
     "COLUMN",
     "EXPERT_TARGETS",
     "EmbeddingLora",
-    "GroupedExpertLora",
+    "ExpertLora",
     "RouterLora",
     "global_expert_index",
     "global_factors",

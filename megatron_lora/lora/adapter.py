@@ -49,7 +49,7 @@ from megatron_lora.lora import dora as D
 from megatron_lora.lora import merge as M
 from megatron_lora.lora.checkpoint import (
     accept_unwrapped_keys,
-    factor_sharded_tensors,
+    linear_factor_entries,
     with_dp_cp_group,
 )
 from megatron_lora.lora.config import AdapterConfig
@@ -362,20 +362,11 @@ class LoraAdapter(torch.nn.Module):
         state = self.base_layer.sharded_state_dict(
             prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata
         )
-        column = self.geometry.mode == COLUMN
         factors = {"lora_A": self.lora_A, "lora_B": self.lora_B}
-        axis = {"lora_B": 0} if column else {"lora_A": 1}
         if self.magnitude is not None:  # DoRA: m sharded like the base's output rows
             factors[D.MAGNITUDE] = self.magnitude
-            if column:
-                axis[D.MAGNITUDE] = 0
-        state.update(
-            factor_sharded_tensors(
-                factors, prefix, axis, sharded_offsets, metadata,
-                self.geometry.tp_group, strided={n for n in axis if n != "lora_A"}
-                if column and self.geometry.stride > 1 else (),
-            )
-        )
+        state.update(linear_factor_entries(self.geometry, factors, D.MAGNITUDE, prefix,
+                                           sharded_offsets, metadata))
         return state
 
     def extra_repr(self) -> str:

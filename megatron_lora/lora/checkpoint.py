@@ -17,7 +17,8 @@ Two rules, shared by every adapter kind:
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+import dataclasses
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -79,4 +80,60 @@ def accept_unwrapped_keys(adapter: torch.nn.Module, base_attr: str = "base_layer
     adapter._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
-__all__ = ["accept_unwrapped_keys", "factor_sharded_tensors", "with_dp_cp_group"]
+def linear_factor_entries(geometry, factors: Dict[str, torch.Tensor], magnitude_name: str,
+                          prefix: str, sharded_offsets, metadata: dict) -> dict:
+    """The ShardedTensors of one linear's adapter tensors held as `geometry` says: column: B (and
+    DoRA's magnitude) sharded on dim 0 with the base's stride, A replicated; row: A sharded on
+    dim 1, B and the magnitude replicated; over the base's group (expert-TP for experts)."""
+    column = geometry.mode == "column"
+    axis = {"lora_B": 0} if column else {"lora_A": 1}
+    if column and magnitude_name in factors:
+        axis[magnitude_name] = 0
+    strided = ({n for n in axis if n != "lora_A"} if column and geometry.stride > 1 else ())
+    return factor_sharded_tensors(factors, prefix, axis, sharded_offsets, metadata,
+                                  geometry.tp_group, strided=strided)
+
+
+def stacked_expert_entry(entries: List, data: torch.Tensor):
+    """One ShardedTensorFactory for a stacked expert tensor `data` [E_local, ...] whose experts'
+    checkpoint entries are `entries` (ShardedTensors or factories, one per local expert, each
+    laid out as a per-expert adapter's: the global-expert axis an offset handed down by the
+    experts module): the saved tensors are exactly the per-expert ones, so checkpoints written
+    with per-expert adapters load into stacked ones and back, at any layout.
+
+    The build is a function of (key, data) only, as megatron's optimizer checkpointing needs
+    (it rebuilds the factory with the optimizer state's key and tensor)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    key0 = entries[0].key
+    if any(entry.key != key0 for entry in entries):
+        raise NotImplementedError(
+            f"stacked expert checkpoint entries need one key for every local expert, got "
+            f"{sorted({entry.key for entry in entries})[:3]} (singleton_local_shards is not "
+            "supported for expert adapters)")
+
+    def build(key, tensor, replica_id, flattened_range):
+        return {str(e): _rebuilt(entry, key, tensor[e]) for e, entry in enumerate(entries)}
+
+    def merge(loaded):
+        return torch.stack([_merged(entry, loaded[str(e)]) for e, entry in enumerate(entries)])
+
+    return ShardedTensorFactory(key0, data, build, merge, entries[0].replica_id)
+
+
+def _rebuilt(entry, key: str, tensor: torch.Tensor):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensorFactory):
+        return dataclasses.replace(entry, key=key, data=tensor).build()
+    return dataclasses.replace(entry, key=key, data=tensor, dtype=tensor.dtype)
+
+
+def _merged(entry, loaded):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    return entry.merge_fn(loaded) if isinstance(entry, ShardedTensorFactory) else loaded
+
+
+__all__ = ["accept_unwrapped_keys", "factor_sharded_tensors", "linear_factor_entries",
+           "stacked_expert_entry", "with_dp_cp_group"]

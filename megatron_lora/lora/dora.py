@@ -99,14 +99,20 @@ def step_weight_norm(adapter) -> torch.Tensor:
     by the step's other forwards; every forward outside a step forms it. No host read decides
     it, and every rank of a row base's group forms it at the same forward (each runs the same
     micro-batches of the same step), so they join its all-reduce together."""
+    return step_cached(adapter, lambda: weight_norm(adapter))
+
+
+def step_cached(owner, compute):
+    """compute() once per training step for `owner` (kept in its __dict__), every call outside
+    a step (see step_weight_norm)."""
     step = _STEP[0]
     if step is None:
-        return weight_norm(adapter)
-    cached = adapter.__dict__.get(_NORM_CACHE)
+        return compute()
+    cached = owner.__dict__.get(_NORM_CACHE)
     if cached is not None and cached[0] is step:
         return cached[1]
-    norm = weight_norm(adapter)
-    adapter.__dict__[_NORM_CACHE] = (step, norm)
+    norm = compute()
+    owner.__dict__[_NORM_CACHE] = (step, norm)
     return norm
 
 
@@ -155,5 +161,6 @@ def check_dora_base(geometry) -> None:
 
 
 __all__ = ["MAGNITUDE", "added_bias", "check_dora_base", "combine", "dropped_input",
-           "base_weight", "begin_step", "end_step", "squared_row_norms", "step_weight_norm",
+           "base_weight", "begin_step", "end_step", "squared_row_norms", "step_cached",
+           "step_weight_norm",
            "weight_norm"]

@@ -119,9 +119,13 @@ def expert_keys(key: torch.Tensor, first_expert: int, num_experts: int,
                 stream_offset: int) -> torch.Tensor:
     """int64 [num_experts, 2]: the keys of experts first_expert .. first_expert + num_experts - 1
     for one linear of theirs (stream_offset 0 for fc1, 1 for fc2) from a MoE layer's key: stream
-    2 g + stream_offset of global expert g (token_route.py, grouped.py)."""
-    return torch.stack([sub_key(key, 2 * (first_expert + e) + stream_offset)
-                        for e in range(num_experts)])
+    2 g + stream_offset of global expert g (token_route.py, lora/experts.py). Row e equals
+    sub_key(key, 2 (first_expert + e) + stream_offset); all rows at once, on the key's device
+    (no host-to-device copy per expert)."""
+    streams = 2 * (first_expert + torch.arange(num_experts, dtype=torch.int64,
+                                               device=key.device)) + stream_offset
+    salt = torch.stack([2 * streams + 1, 2 * streams + 2], dim=1)  # [E, 2], as sub_key's
+    return _mix32((key.unsqueeze(0) + _mix32(salt & _MASK32)) & _MASK32)
 
 
 def keep_mask(

@@ -36,7 +36,8 @@ def delta_weight(adapter) -> torch.Tensor:
     return torch.matmul(b, a) * adapter.scaling
 
 
-def _all_ranks_agree(ok: bool, group, device) -> bool:
+def all_ranks_agree(ok: bool, group, device) -> bool:
+    """Whether `ok` holds on every rank of `group` (one 1-element all-reduce; local without one)."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return ok
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
@@ -75,7 +76,7 @@ def merge(adapter, safe: bool = False) -> None:
     if safe:
         merged = weight.float() + delta
         ok = bool(torch.isfinite(delta).all()) and bool(torch.isfinite(merged).all())
-        if not _all_ranks_agree(ok, adapter.geometry.tp_group, weight.device):
+        if not all_ranks_agree(ok, adapter.geometry.tp_group, weight.device):
             raise ValueError(
                 "LoraAdapter.safe_merge: the LoRA update or the merged weight has non-finite "
                 "values on at least one rank; the base weight was left unchanged"
@@ -108,7 +109,7 @@ def unmerge(adapter) -> None:
     adapter.merged = False
 
 
-__all__ = ["delta_weight", "merge", "unmerge"]
+__all__ = ["all_ranks_agree", "delta_weight", "merge", "unmerge"]
 
 
 class WeightDeltaMerge:

@@ -24,7 +24,7 @@ from megatron_lora.families.shape import MLA_INPUTS
 from megatron_lora.lora.adapter import LoraAdapter
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.embedding import EmbeddingLora, wrap_embedding, wrap_output_layer
-from megatron_lora.lora.experts import wrap_experts
+from megatron_lora.lora.experts import ExpertLora, wrap_experts
 from megatron_lora.lora.router import RouterLora, wrap_router
 from megatron_lora.lora.sizes import config_problems, model_kinds  # noqa: F401 (re-exported)
 from megatron_lora.lora.identity import adapter_seed, dropout_stream, global_layer_prefix
@@ -285,7 +285,7 @@ def apply_lora(model, config: LoraConfig, *, verbose: bool = True) -> Dict[str, 
                 continue
             for adapter in wrap_experts(parent.experts, config.adapter_config, prefix=name,
                                         seed_for=seed_for, targets=targets, moe_layer=parent):
-                adapters[adapter.global_name] = adapter
+                adapters[f"{name}.{adapter.kind}"] = adapter  # every local expert's, stacked
             route = getattr(parent.experts, "token_route", None)
             if route is not None:  # one key per MoE layer forward, sub-keyed per expert
                 route.stream = dropout_stream(name)
@@ -361,7 +361,7 @@ def count_parameters(model) -> Tuple[int, int]:
     return int(counts[0] + counts[2]), int(counts[1] + counts[3])
 
 
-ADAPTER_TYPES = (LoraAdapter, RouterLora, EmbeddingLora)
+ADAPTER_TYPES = (LoraAdapter, ExpertLora, RouterLora, EmbeddingLora)
 
 
 def lora_modules(model) -> List[torch.nn.Module]:
@@ -393,7 +393,7 @@ def merge_adapters(model, safe: bool = False) -> None:
     """Merge every adapter into its base weight shard (safe: linear adapters check for non-finite
     values on every rank first and leave the base untouched on failure)."""
     for adapter in lora_modules(model):
-        if isinstance(adapter, LoraAdapter):
+        if isinstance(adapter, (LoraAdapter, ExpertLora)):
             adapter.merge(safe=safe)
         else:
             adapter.merge()

@@ -33,14 +33,14 @@ instead (a copy per call, never kept for backward): slower, still exact. NF4 bas
 the E local experts into one transient [E, out, in] stack for the grouped matmul, and again in
 backward (models/nf4_linear.py).
 
-LoRA: where a local expert's linear is a `LoraAdapter`, its factors join the grouped path
-(factors stacked per call, [E, r, in] and [E, out, r]: small) when all local experts' adapters
-of that linear agree on rank, scale and dropout and none is merged or disabled; otherwise each
-adapter adds its own term on its rows (a loop, exact). Reductions are the per-expert adapters':
-the replicated factor's gradient summed over expert-TP inside autograd, gradients reduced over
-the expert-data-parallel group by megatron DDP. Dropout masks are the per-expert path's
-(lora/grouped.py): keys sub_key(layer key, 2 e + j), rows' global token indices from the layer's
-token route (lora/token_route.py), so grouped and sequential experts drop the same entries.
+LoRA: the experts' stacked adapters (`experts.adapters`, lora/expert_lora.py, made by
+lora/experts.wrap_experts) add their terms with one grouped matmul per factor over all local
+experts, on the same row splits (offsets built once per call on the device); DoRA adapters add
+each expert's DoRA output on its rows (a loop). Reductions are the expert adapters': the
+replicated factor's gradient summed over expert-TP inside autograd, gradients reduced over the
+expert-data-parallel group by megatron DDP. Dropout masks are the SequentialMLP path's: keys
+sub_key(layer key, 2 e + j), rows' global token indices from the layer's token route
+(lora/token_route.py), so grouped and sequential experts drop the same entries.
 
 Biases (add_bias_linear, GPT-OSS): each row gets its expert's fc1 bias before the activation and
 its expert's fc2 bias scaled by the row's probability after fc2, as megatron's MLP does for
@@ -64,15 +64,14 @@ import torch
 
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from megatron_lora.lora import collectives as C
-from megatron_lora.lora.adapter import LoraAdapter
 from megatron_lora.lora.dropout import expert_keys
-from megatron_lora.lora.grouped import grouped_linear, grouped_mm, grouped_mm_wgrad
+from megatron_lora.lora.experts import ExpertSlot
+from megatron_lora.lora.grouped import Splits, grouped_mm, grouped_mm_wgrad
 from megatron_lora.models.nf4_linear import grouped_nf4, is_nf4, nf4_matmul
 
 
 def _base_linear(linear: torch.nn.Module) -> torch.nn.Module:
-    return linear.base_layer if isinstance(linear, LoraAdapter) else linear
+    return linear.base_layer if isinstance(linear, ExpertSlot) else linear
 
 
 def tie_weights(params: Sequence[torch.nn.Parameter]) -> None:
@@ -191,8 +190,13 @@ class GroupedExperts(SequentialMLP):
             # SequentialMLP's order: scale the input, then run the experts with probs 1.
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        counts = [int(c) for c in (tokens_per_expert.tolist()
-                                   if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
+        # The layer's one host read of its token counts (megatron's dispatchers may already hold
+        # them on the host); every grouped matmul below reuses them and their device offsets.
+        if torch.is_tensor(tokens_per_expert):
+            splits = Splits(tokens_per_expert.tolist(), x.device, tokens_per_expert)
+        else:
+            splits = Splits(tokens_per_expert, x.device)
+        counts = splits.counts
         if len(counts) != self.num_local_experts or sum(counts) != x.shape[0]:
             raise ValueError(
                 f"GroupedExperts: tokens_per_expert {counts} does not fit "
@@ -200,14 +204,14 @@ class GroupedExperts(SequentialMLP):
             )
         chunks = expert_chunks(counts, x, self._rows_per_chunk(x))
         if len(chunks) == 1:
-            return self._rows(x, probs, counts, 0, 0), None
+            return self._rows(x, probs, splits, 0, 0), None
         # CPU: fc1 -> activation -> fc2 a cache-sized run of experts at a time, so that each
         # run's [rows, 2f] intermediate is read back from cache, not memory (forward and, its
         # autograd nodes being per run, backward alike).
         # torch.split, not slicing: a slice's backward writes its gradient into a zero tensor of
         # the whole input, once per run; split's backward concatenates the runs' gradients once.
         sizes = [r1 - r0 for _, _, r0, r1 in chunks]
-        outs = [self._rows(xs, ps, counts[e0:e1], e0, r0)
+        outs = [self._rows(xs, ps, splits.part(e0, e1), e0, r0)
                 for (e0, e1, r0, _), xs, ps in zip(chunks, torch.split(x, sizes),
                                                   torch.split(probs, sizes))]
         return torch.cat(outs), None
@@ -222,15 +226,16 @@ class GroupedExperts(SequentialMLP):
         width = (2 if cfg.gated_linear_unit else 1) * ffn + ffn + cfg.hidden_size
         return max(1, CPU_CHUNK_BYTES // (width * x.element_size()))
 
-    def _rows(self, x, probs, counts: List[int], e0: int, r0: int) -> torch.Tensor:
-        """fc1 -> activation -> fc2 for local experts e0 .. e0 + len(counts) - 1, whose rows
+    def _rows(self, x, probs, splits: Splits, e0: int, r0: int) -> torch.Tensor:
+        """fc1 -> activation -> fc2 for local experts e0 .. e0 + len(splits) - 1, whose rows
         x [n, h] start at row r0 of the layer's input: [n, h]."""
-        h = self._linear("linear_fc1", x, counts, 0, e0, r0)
+        counts = splits.counts
+        h = self._linear("linear_fc1", x, splits, e0, r0)
         bias = self._row_bias("linear_fc1", counts, e0)
         if bias is not None:
             h = (h + bias).to(h.dtype)
         z = self._activation(h, probs)
-        out = self._linear("linear_fc2", z, counts, 1, e0, r0)
+        out = self._linear("linear_fc2", z, splits, e0, r0)
         bias = self._row_bias("linear_fc2", counts, e0)
         if bias is not None:  # MLP.forward for experts: the fc2 bias is scaled by the prob too
             out = (out + bias * probs.unsqueeze(-1)).to(out.dtype)
@@ -264,69 +269,49 @@ class GroupedExperts(SequentialMLP):
             act = cfg.activation_func(h)
         return (act * probs.unsqueeze(-1)).to(act.dtype)
 
-    def _linear(self, name: str, x: torch.Tensor, counts: List[int], stream: int, e0: int = 0,
-                r0: int = 0):
-        linears = [getattr(mlp, name) for mlp in self._experts(e0, len(counts))]
-        bases = [_base_linear(lin) for lin in linears]
+    def _linear(self, name: str, x: torch.Tensor, splits: Splits, e0: int = 0, r0: int = 0):
+        """x [n, in_local] (rows of local experts e0.., from row r0 of the layer's input) times
+        each expert's `name` weight, plus its adapter's term: [n, out_local]."""
+        counts = splits.counts
+        bases = [_base_linear(getattr(mlp, name)) for mlp in self._experts(e0, len(counts))]
         if all(is_nf4(base) for base in bases):
             out = grouped_nf4(x, counts, bases)
         else:
-            out = _GroupedBase.apply(x, counts, *[base.weight for base in bases])
-        adapters = [lin for lin in linears
-                    if isinstance(lin, LoraAdapter) and not (lin.merged or lin._disabled)]
-        if not adapters:
+            out = _GroupedBase.apply(x, splits, *[base.weight for base in bases])
+        adapters = self._modules.get("adapters")
+        lora = adapters[name] if adapters is not None and name in adapters else None
+        if lora is None or not lora.active():
             return out
-        if any(ad.magnitude is not None for ad in adapters):
-            return self._dora_linear(linears, adapters, bases, x, out, counts)
-        if len(adapters) == len(linears) and _uniform(adapters):
-            return out + self._grouped_lora(adapters, x, counts, stream, e0, r0)
-        # Mixed adapters (rank patterns, some merged): each adds its own term on its rows.
-        pieces, start = list(torch.split(out, counts)), 0
-        for e, (lin, n) in enumerate(zip(linears, counts)):
-            if lin in adapters and n:
-                pieces[e] = pieces[e] + lin.lora_delta(x[start:start + n])
-            start += n
-        return torch.cat(pieces) if pieces else out
-
-    @staticmethod
-    def _dora_linear(linears, adapters, bases, x, out, counts):
-        """DoRA adapters (lora/dora.py): each expert's rows get its adapter's DoRA output, the
-        base term W_e d recomputed on its dropped rows only with dropout in training."""
-        pieces, start = list(torch.split(out, counts)), 0
-        for e, (lin, n) in enumerate(zip(linears, counts)):
-            if lin in adapters and n:
-                base = bases[e]
-                pieces[e] = lin.dora_forward(
-                    x[start:start + n], pieces[e],
-                    base_fn=lambda d, b=base: _base_rows(b, d))
-            start += n
-        return torch.cat(pieces) if pieces else out
-
-    def _grouped_lora(self, adapters: List[LoraAdapter], x, counts, stream: int, e0: int = 0,
-                      r0: int = 0):
-        """sum over local experts e0.. of s * drop(x_e) A_e^T B_e^T on their rows (x: the
-        layer's rows from r0 on): [n, out_local]."""
-        first = adapters[0]
-        g = first.geometry
-        a = torch.stack([ad.lora_A for ad in adapters])  # [E, r, in_local]
-        b = torch.stack([ad.lora_B for ad in adapters])  # [E, out_local, r]
-        if stream == 0:  # column: A replicated over expert-TP, its gradient partial there
-            a, offset = C.grad_sum(a, g.tp_group), 0
-        else:  # row: B replicated, A holds this rank's input columns
-            b, offset = C.grad_sum(b, g.tp_group), g.tp_rank * g.in_local
-        p = first.config.dropout if first.training else 0.0
-        keys = ids = None
-        if p > 0.0:
+        ids = key = None
+        if lora.dropout() > 0.0:
             route = getattr(self, "token_route", None)
             if route is None or route.key is None or route.ids is None:
                 raise RuntimeError(
                     "grouped experts: LoRA dropout needs the layer's token route; wrap the "
                     "experts with wrap_experts(..., moe_layer=layer)"
                 )
-            ids = route.ids[r0:r0 + x.shape[0]]
-            keys = expert_keys(route.key, route.first_expert + e0, len(adapters), stream)
-        u = grouped_linear(x, a, counts, first.scaling, p, keys, offset, ids)  # [N, r]
-        return grouped_linear(u, b, counts)
+            ids, key = route.ids[r0:r0 + x.shape[0]], route.key
+        if lora.magnitude is not None:
+            return self._dora_linear(lora, bases, x, out, counts, e0, ids, key)
+        return out + lora.grouped(x, splits, e0, ids, key)
+
+    @staticmethod
+    def _dora_linear(lora, bases, x, out, counts, e0, ids, key):
+        """DoRA adapters (lora/dora.py): each expert's rows get its DoRA output, the base term
+        W_e d recomputed on its dropped rows only with dropout in training."""
+        p = lora.dropout()
+        keys = (expert_keys(key, lora.first_expert + e0, len(counts),
+                            0 if lora.kind == "linear_fc1" else 1) if p > 0.0 else None)
+        scales = lora.call_dora_scales()
+        pieces, start = list(torch.split(out, counts)), 0
+        for i, (base, n) in enumerate(zip(bases, counts)):
+            if n:
+                e = e0 + i
+                drop = (p, keys[i], ids[start:start + n]) if p > 0.0 else None
+                pieces[i] = lora.expert_dora(e, x[start:start + n], pieces[i], scales[e],
+                                             lambda d, b=base: _base_rows(b, d), None, drop)
+            start += n
+        return torch.cat(pieces) if pieces else out
 
 
 # On CPU the experts run in consecutive runs of whole experts whose fc1 and fc2 outputs together
@@ -354,13 +339,6 @@ def _base_rows(base: torch.nn.Module, d: torch.Tensor) -> torch.Tensor:
     if is_nf4(base):
         return nf4_matmul(d, base)
     return torch.nn.functional.linear(d, base.weight.to(d.dtype))
-
-
-def _uniform(adapters: List[LoraAdapter]) -> bool:
-    first = adapters[0]
-    return all(ad.config.rank == first.config.rank and ad.scaling == first.scaling
-               and ad.config.dropout == first.config.dropout
-               and ad.lora_A.dtype == first.lora_A.dtype for ad in adapters)
 
 
 __all__ = ["GroupedExperts", "shared_stack", "stacked", "tie_weights"]

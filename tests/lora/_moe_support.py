@@ -97,14 +97,16 @@ def build_layer(layout, dispatcher: str, weights, adapter_config: AdapterConfig,
             mlp.linear_fc1.weight.copy_(_shard(weights["fc1"][e], 0, t, k, 2))
             mlp.linear_fc2.weight.copy_(_shard(weights["fc2"][e], 1, t, k))
     prefix = "decoder.layers.0.mlp.experts"
-    adapters = wrap_experts(experts, adapter_config, prefix=prefix, seed_for=seed_for,
-                            moe_layer=layer)
+    stacked = wrap_experts(experts, adapter_config, prefix=prefix, seed_for=seed_for,
+                           moe_layer=layer)
+    # One view per local expert and target: its pair and gradients as slices of the stacked ones.
+    adapters = [view for lora in stacked for view in lora.experts()]
     router_config = (adapter_config if isinstance(adapter_config, AdapterConfig)
                      else adapter_config("decoder.layers.0.mlp.router"))  # a per-name config
     router_adapter = wrap_router(layer.router, router_config, seed=seed_for("router"))
     if dense_expert_adapters:  # the bug others shipped: expert adapters in the dense DP buffers
-        for ad in adapters:
-            ad.lora_A.allreduce = ad.lora_B.allreduce = True
+        for lora in stacked:
+            lora.lora_A.allreduce = lora.lora_B.allreduce = True
     return config, layer, adapters, router_adapter
 
 
@@ -253,8 +255,8 @@ def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False
         else:
             want_a, want_b = _shard(a2.grad, 1, t, k), b2.grad
             value_ok = torch.equal(ad.lora_B.detach(), b2.detach())
-        errors[f"{ad.global_name}.lora_A"] = _err(_grad(ad.lora_A), want_a / dp)
-        errors[f"{ad.global_name}.lora_B"] = _err(_grad(ad.lora_B), want_b / dp)
+        errors[f"{ad.global_name}.lora_A"] = _err(ad.grad("lora_A"), want_a / dp)
+        errors[f"{ad.global_name}.lora_B"] = _err(ad.grad("lora_B"), want_b / dp)
         if not value_ok:
             errors[f"{ad.global_name}.init"] = float("inf")
     return {k_: v for k_, v in errors.items() if not v <= ATOL}

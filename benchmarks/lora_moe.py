@@ -153,13 +153,23 @@ def _best(fn, reps, clock=time.perf_counter):
 def grouped_vs_loop(num_experts, tokens, hidden, ffn, rank, reps):
     """Seconds of fc1+fc2 LoRA forward+backward: (grouped, per-expert loop)."""
     from megatron_lora.lora import AdapterConfig
-    from megatron_lora.lora.grouped import GroupedExpertLora
+    from megatron_lora.lora.expert_lora import ExpertLora
     from megatron_lora.lora.projection import lora_down
 
     cfg = AdapterConfig(rank=rank, alpha=32, init_lora_weights=False)
     seeds = list(range(num_experts))
-    fc1 = GroupedExpertLora("linear_fc1", cfg, hidden, 2 * ffn, seeds, stride=2)
-    fc2 = GroupedExpertLora("linear_fc2", cfg, ffn, hidden, seeds)
+
+    def stacked(kind, n_in, n_out, mode):  # one process: plain linears marked as expert linears
+        bases = []
+        for _ in range(num_experts):
+            base = torch.nn.Linear(n_in, n_out, bias=False)
+            base.parallel_mode, base.is_expert = mode, True
+            bases.append(base)
+        names = [f"decoder.layers.0.mlp.experts.{e}.{kind}" for e in range(num_experts)]
+        return ExpertLora(kind, bases, [cfg] * num_experts, seeds, names=names, first_expert=0)
+
+    fc1 = stacked("linear_fc1", hidden, 2 * ffn, "column")
+    fc2 = stacked("linear_fc2", ffn, hidden, "row")
     gen = torch.Generator().manual_seed(0)
     counts = torch.multinomial(torch.ones(num_experts), tokens, replacement=True,
                                generator=gen).bincount(minlength=num_experts).tolist()
@@ -168,14 +178,14 @@ def grouped_vs_loop(num_experts, tokens, hidden, ffn, rank, reps):
 
     def grouped():
         xi, ii = x.clone().requires_grad_(True), inter.clone().requires_grad_(True)
-        (fc1(xi, counts).sum() + fc2(ii, counts).sum()).backward()
+        (fc1.grouped(xi, counts).sum() + fc2.grouped(ii, counts).sum()).backward()
 
     def loop():
         xi, ii = x.clone().requires_grad_(True), inter.clone().requires_grad_(True)
         total, start = 0.0, 0
         for e, n in enumerate(counts):
             for mod, inp in ((fc1, xi), (fc2, ii)):
-                u = lora_down(inp[start:start + n], mod.lora_A[e], cfg.scaling)
+                u = lora_down(inp[start:start + n], mod.lora_A[e], mod.scales[e])
                 total = total + torch.nn.functional.linear(u, mod.lora_B[e]).sum()
             start += n
         total.backward()

@@ -112,11 +112,23 @@ def stacked_expert_entry(entries: List, data: torch.Tensor):
             f"{sorted({entry.key for entry in entries})[:3]} (singleton_local_shards is not "
             "supported for expert adapters)")
 
+    # An expert whose rank is below the stacked one (zero-padded) is saved without its padding.
+    shapes = [tuple(entry.data.shape) for entry in entries]
+    full = tuple(data.shape[1:])
+
     def build(key, tensor, replica_id, flattened_range):
-        return {str(e): _rebuilt(entry, key, tensor[e]) for e, entry in enumerate(entries)}
+        return {str(e): _rebuilt(entry, key, tensor[e][tuple(slice(0, n) for n in shape)])
+                for e, (entry, shape) in enumerate(zip(entries, shapes))}
 
     def merge(loaded):
-        return torch.stack([_merged(entry, loaded[str(e)]) for e, entry in enumerate(entries)])
+        out = []
+        for e, (entry, shape) in enumerate(zip(entries, shapes)):
+            t = _merged(entry, loaded[str(e)])
+            if shape != full:
+                t = torch.nn.functional.pad(t, [p for n, m in zip(reversed(shape), reversed(full))
+                                                for p in (0, m - n)])
+            out.append(t)
+        return torch.stack(out)
 
     return ShardedTensorFactory(key0, data, build, merge, entries[0].replica_id)
 

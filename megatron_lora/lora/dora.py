@@ -70,12 +70,17 @@ def weight_norm(adapter, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
 
     Row-parallel bases (input dimension split over the group) sum the squared norms over the
     base's own group: one all-reduce of [out] (adapter.geometry.tp_group)."""
-    g = adapter.geometry
     weight = base_weight(adapter.base_layer) if weight is None else weight
     sq = squared_row_norms(weight, adapter.lora_A, adapter.lora_B, adapter.scaling)
-    if g.mode == ROW and _group_size(g.tp_group) > 1:
-        dist.all_reduce(sq, group=g.tp_group)
-    return sq.sqrt_()
+    return complete_squared_norms(sq, adapter.geometry).sqrt_()
+
+
+def complete_squared_norms(sq: torch.Tensor, geometry) -> torch.Tensor:
+    """Squared row norms [..., out] summed over a row base's group (each rank holds a column
+    slice of every row): one all-reduce, in place; column bases' are complete already."""
+    if geometry.mode == ROW and _group_size(geometry.tp_group) > 1:
+        dist.all_reduce(sq, group=geometry.tp_group)
+    return sq
 
 
 # The training step in progress (training/step.py): while it runs, A, B and the base keep their
@@ -160,7 +165,8 @@ def check_dora_base(geometry) -> None:
                          "stride > 1 is not supported")
 
 
-__all__ = ["MAGNITUDE", "added_bias", "check_dora_base", "combine", "dropped_input",
+__all__ = ["MAGNITUDE", "added_bias", "check_dora_base", "combine", "complete_squared_norms",
+           "dropped_input",
            "base_weight", "begin_step", "end_step", "squared_row_norms", "step_cached",
            "step_weight_norm",
            "weight_norm"]

@@ -69,12 +69,18 @@ class ExpertView:
         self.scaling = owner.scales[local]
 
     @property
+    def rank(self) -> int:
+        return self.owner.ranks[self.local]
+
+    @property
     def lora_A(self) -> torch.Tensor:
-        return self.owner.lora_A[self.local]
+        """[r_e, in_local] (the stacked tensor's rows without the zero padding)."""
+        return self.owner.lora_A[self.local, :self.rank]
 
     @property
     def lora_B(self) -> torch.Tensor:
-        return self.owner.lora_B[self.local]
+        """[out_local, r_e]."""
+        return self.owner.lora_B[self.local, :, :self.rank]
 
     @property
     def magnitude(self) -> Optional[torch.Tensor]:
@@ -87,7 +93,10 @@ class ExpertView:
         p = getattr(self.owner, name)
         g = getattr(p, "main_grad", None)
         g = p.grad if g is None else g
-        return None if g is None else g[self.local]
+        if g is None:
+            return None
+        g = g[self.local]
+        return {"lora_A": g[:self.rank], "lora_B": g[:, :self.rank]}.get(name, g)
 
 
 class ExpertLora(torch.nn.Module):
@@ -97,7 +106,9 @@ class ExpertLora(torch.nn.Module):
     bases: the E local experts' base linears of that kind (kept as plain references: the
         experts' MLPs own them).
     configs / seeds / names: per local expert, from its global name (names[e] =
-        f"{experts prefix}.{first_expert + e}.{kind}").
+        f"{experts prefix}.{first_expert + e}.{kind}"). Ranks may differ (a rank pattern used
+        with wrap_experts directly): the factors are zero-padded to the largest; scales may
+        differ too. Dropout, dtype and DoRA are one per layer.
     first_expert: global index of local expert 0 (ep_rank * E).
     """
 
@@ -110,7 +121,7 @@ class ExpertLora(torch.nn.Module):
         if not (len(bases) == len(configs) == len(seeds) == len(names) >= 1):
             raise ValueError("ExpertLora needs one base, config, seed and name per local expert")
         first = configs[0]
-        for what in ("rank", "dropout", "dtype", "use_dora"):
+        for what in ("dropout", "dtype", "use_dora"):
             values = {getattr(c, what) for c in configs}
             if len(values) > 1:
                 raise ValueError(
@@ -123,6 +134,8 @@ class ExpertLora(torch.nn.Module):
         self.configs, self.names = tuple(configs), tuple(names)
         self.first_expert = int(first_expert)
         self.scales = tuple(float(c.scaling) for c in configs)
+        self.ranks = tuple(int(c.rank) for c in configs)
+        self.rank = max(self.ranks)  # experts with a smaller rank are zero-padded to it
         self.__dict__["bases"] = tuple(bases)  # not submodules: the experts' MLPs own them
         self.merged = False
         self._disabled = False
@@ -139,8 +152,12 @@ class ExpertLora(torch.nn.Module):
                 b = shard_like_base(b, 0, t, k, geometry.stride)
             else:
                 a = shard_like_base(a, 1, t, k)
-            a_list.append(a)
-            b_list.append(b)
+            # A zero-padded rank adds exact zeros to every product and gets exactly zero
+            # gradients, so the padding stays zero through training (Adam's step of a zero
+            # gradient is zero, decoupled weight decay keeps zero at zero).
+            pad = self.rank - cfg.rank
+            a_list.append(torch.nn.functional.pad(a, (0, 0, 0, pad)))
+            b_list.append(torch.nn.functional.pad(b, (0, pad)))
         self.lora_A = torch.nn.Parameter(torch.stack(a_list).to(device=device, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.stack(b_list).to(device=device, dtype=dtype))
         # Per-row scales are needed only when an alpha pattern gives experts different scales.
@@ -220,16 +237,21 @@ class ExpertLora(torch.nn.Module):
         layer's key."""
         splits = as_splits(splits, x.device)
         num = len(splits)
+        if e0 + num > self.num_experts or sum(splits.counts) != x.shape[0]:
+            raise ValueError(
+                f"{self.names[0]}: tokens_per_expert {splits.counts} (from local expert {e0}) "
+                f"does not fit {self.num_experts} local experts and {x.shape[0]} rows")
         a, b, offset = self.factors()
         if e0 or num != self.num_experts:
             a, b = a[e0:e0 + num], b[e0:e0 + num]
         p = self.dropout()
         keys = None
         if p > 0.0:
-            if key is None or token_ids is None:
-                raise RuntimeError(
-                    f"{self.names[0]}: expert LoRA dropout needs the layer's token route; wrap "
-                    "the experts with wrap_experts(..., moe_layer=layer)")
+            if key is None or token_ids is None or token_ids.numel() != x.shape[0]:
+                raise ValueError(
+                    f"{self.names[0]}: dropout {p} in training needs token_ids (the global token "
+                    f"index of each of the {x.shape[0]} rows) and the MoE layer's key; wrap the "
+                    "experts with wrap_experts(..., moe_layer=layer) (token_route.py)")
             keys = expert_keys(key, self.first_expert + e0, num, 0 if self.kind == "linear_fc1"
                                else 1)
         scale = self.scales[e0] if self.uniform_scale else 1.0
@@ -279,10 +301,7 @@ class ExpertLora(torch.nn.Module):
         sq = torch.stack([D.squared_row_norms(D.base_weight(base), self.lora_A[e],
                                               self.lora_B[e], self.scales[e])
                           for e, base in enumerate(self.bases)])
-        g = self.geometry
-        if g.mode != COLUMN and g.tp_size > 1:
-            torch.distributed.all_reduce(sq, group=g.tp_group)
-        return sq.sqrt_()
+        return D.complete_squared_norms(sq, self.geometry).sqrt_()
 
     def dora_scales(self) -> torch.Tensor:
         """m / n [E, out_local] (n detached); fc2's m gradient summed over expert-TP."""
@@ -381,7 +400,7 @@ class ExpertLora(torch.nn.Module):
         scales = (f"scaling={self.scales[0]:g}" if self.uniform_scale
                   else f"scalings={min(self.scales):g}..{max(self.scales):g}")
         return (f"{self.num_experts} experts from {self.first_expert}, "
-                f"{self.geometry.describe()}, rank={self.config.rank}, {scales}, "
+                f"{self.geometry.describe()}, rank={self.rank}, {scales}, "
                 f"dropout={self.config.dropout}, merged={self.merged}"
                 + (", dora" if self.magnitude is not None else ""))
 

@@ -100,6 +100,11 @@ class ExpertSlot(torch.nn.Module):
         return self.__dict__["lora"]
 
     @property
+    def global_name(self) -> str:
+        """This expert's adapter name, e.g. "decoder.layers.3.mlp.experts.5.linear_fc1"."""
+        return self.lora.names[self.local]
+
+    @property
     def weight(self):
         return self.base_layer.weight
 
@@ -206,8 +211,8 @@ def wrap_experts(
     experts_module: megatron-core SequentialMLP or a subclass (`local_experts` of MLPs,
         `ep_group`, `num_local_experts`).
     config: one AdapterConfig for all, or config(name) -> AdapterConfig per expert adapter
-        (scales may differ per expert, e.g. from an alpha pattern; rank, dropout, dtype and
-        DoRA are one per target).
+        (ranks and scales may differ per expert, e.g. from a rank or alpha pattern; dropout,
+        dtype and DoRA are one per target).
     prefix: the GLOBAL name of the experts module, e.g. "decoder.layers.3.mlp.experts"; expert
         adapter names are f"{prefix}.{global_expert}.{target}".
     seed_for: name -> seed; called once per expert adapter with that global name.
@@ -262,7 +267,7 @@ def wrap_experts(
                 )
             configs[name] = cfg
     for target in targets:
-        for what in ("rank", "dropout", "dtype", "use_dora"):
+        for what in ("dropout", "dtype", "use_dora"):
             values = {str(getattr(cfg, what)) for name, cfg in configs.items()
                       if name.endswith(f".{target}")}
             if len(values) > 1:

@@ -104,12 +104,13 @@ def _targets(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from megatron_lora.lora.adapter import LoraAdapter
+    from megatron_lora.lora.experts import ExpertSlot
 
     found = []
     for name, module in model.named_modules():
         if ".decoder." not in f".{name}" or is_nf4(module):
             continue
-        if isinstance(module, LoraAdapter):
+        if isinstance(module, (LoraAdapter, ExpertSlot)):
             # Its DoRA norms and its view of the base would be the full-precision weight's.
             raise NF4LayoutError(f"--base-quantization nf4: {name} already has a LoRA adapter; "
                                  "quantise the base first, then apply_lora")

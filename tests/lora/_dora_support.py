@@ -296,6 +296,7 @@ def run_moe_dora_case(layout, dispatcher: str, *, dropout: float = 0.0, rslora: 
             want = (a1.grad, _shard(b1.grad, 0, t, k, 2), _shard(m1.grad, 0, t, k, 2))
         else:
             want = (_shard(a2.grad, 1, t, k), b2.grad, m2.grad)
-        for name, w in zip(("lora_A", "lora_B", "lora_magnitude_vector"), want):
-            errors[f"{ad.global_name}.{name}"] = _err(ad.grad(name), w / dp)
+        for name, param, w in zip(("lora_A", "lora_B", "magnitude"),
+                                  ("lora_A", "lora_B", "lora_magnitude_vector"), want):
+            errors[f"{ad.global_name}.{name}"] = _err(ad.grad(param), w / dp)
     return {k_: v for k_, v in errors.items() if not v <= M.ATOL}

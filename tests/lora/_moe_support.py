@@ -154,6 +154,14 @@ def _err(got, want):
     return (got.detach().float() - want.detach().float()).abs().max().item()
 
 
+def factor_grad(adapter, name: str):
+    """The gradient of an adapter's factor `name`: an expert view's slice of the stacked
+    gradient, else the parameter's (main_grad under megatron DDP)."""
+    if hasattr(adapter, "grad") and callable(adapter.grad):
+        return adapter.grad(name)
+    return _grad(getattr(adapter, name))
+
+
 def _grad(p):
     return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
 

@@ -1,7 +1,8 @@
-"""Grouped LoRA (one grouped matmul per factor over the tokens-per-expert split) equals the
-per-expert adapters (LoraAdapter on each expert's megatron linear) for the same global adapters:
-outputs, input gradients and factor gradients, fp32, 1e-6, for E in {1, 4, 8} local experts
-including experts that receive zero tokens, at expert-TP 2 (fc1 B strided, fc2 partial sums)."""
+"""Stacked expert LoRA (ExpertLora.grouped: one grouped matmul per factor over the
+tokens-per-expert split) equals per-expert adapters (LoraAdapter on each expert's megatron
+linear) for the same global adapters: outputs, input gradients and factor gradients, fp32, 1e-6,
+for E in {1, 4, 8} local experts including experts that receive zero tokens, at expert-TP 2 (fc1
+B strided, fc2 partial sums); and against plain torch with dropout and rsLoRA."""
 
 import pytest
 import torch
@@ -59,42 +60,54 @@ def test_strided_shards_reassemble_to_the_global_tensor():
     assert torch.equal(_shard(t, 0, 2, 0, 2), torch.cat([t[0:6], t[12:18]]))
 
 
+def expert_bases(kind: str, num: int, group, fin: int, fout: int):
+    """`num` megatron expert linears of `kind` (fc1: column, stride 2; fc2: row) over `group`
+    (global sizes fin -> fout), zero weights."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    t = group.size()
+    config = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True,
+        expert_tensor_parallel_size=t, num_moe_experts=8, add_bias_linear=False,
+    )
+    init = torch.nn.init.zeros_
+    if kind == "linear_fc1":
+        return [ColumnParallelLinear(fin, fout, config=config, init_method=init, bias=False,
+                                     is_expert=True, tp_group=group, stride=2)
+                for _ in range(num)]
+    return [RowParallelLinear(fin, fout, config=config, init_method=init, bias=False,
+                              input_is_parallel=True, skip_bias_add=True, is_expert=True,
+                              tp_group=group) for _ in range(num)]
+
+
+def stacked_lora(kind, bases, cfg, seeds, first=0):
+    from megatron_lora.lora.expert_lora import ExpertLora
+
+    names = [f"decoder.layers.0.mlp.experts.{first + e}.{kind}" for e in range(len(bases))]
+    return ExpertLora(kind, bases, [cfg] * len(bases), seeds, names=names, first_expert=first)
+
+
 @pytest.mark.parametrize("layout", [ParallelLayout(ep=1, etp=2)], ids=["ETP2"])
 @multirank(world_size=2, timeout=300)
 def test_grouped_equals_per_expert_adapters(layout):
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_lora.lora import AdapterConfig, LoraAdapter
-    from megatron_lora.lora.grouped import GroupedExpertLora
 
     group = ps.get_expert_tensor_parallel_group()
-    config = TransformerConfig(
-        num_layers=1, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True,
-        expert_tensor_parallel_size=2, num_moe_experts=8, add_bias_linear=False,
-    )
     cfg = AdapterConfig(rank=RANK, alpha=8.0, init_lora_weights=False)
-    init = torch.nn.init.zeros_
     problems = []
     for num, counts in COUNTS.items():
         seeds = {kind: [1000 * i + (1 if kind == "linear_fc1" else 2) for i in range(num)]
                  for kind in ("linear_fc1", "linear_fc2")}
-        bases = {
-            "linear_fc1": [ColumnParallelLinear(H, 2 * FFN, config=config, init_method=init,
-                                                bias=False, is_expert=True, tp_group=group,
-                                                stride=2) for _ in range(num)],
-            "linear_fc2": [RowParallelLinear(FFN, H, config=config, init_method=init, bias=False,
-                                             input_is_parallel=True, skip_bias_add=True,
-                                             is_expert=True, tp_group=group)
-                           for _ in range(num)],
-        }
         sizes = {"linear_fc1": (H, 2 * FFN), "linear_fc2": (FFN, H)}
+        bases = {kind: expert_bases(kind, num, group, *sizes[kind]) for kind in sizes}
         g = torch.Generator().manual_seed(num)
         for kind in ("linear_fc1", "linear_fc2"):
             per = [LoraAdapter(b, cfg, seed=s) for b, s in zip(bases[kind], seeds[kind])]
-            grouped = GroupedExpertLora(kind, cfg, *sizes[kind], seeds[kind], group=group,
-                                        stride=2 if kind == "linear_fc1" else 1)
+            grouped = stacked_lora(kind, expert_bases(kind, num, group, *sizes[kind]), cfg,
+                                   seeds[kind])
             in_local = H if kind == "linear_fc1" else FFN // 2
             x = torch.randn(sum(counts), in_local, generator=g)
             x1 = x.clone().requires_grad_(True)
@@ -104,7 +117,7 @@ def test_grouped_equals_per_expert_adapters(layout):
                 outs.append(ad.lora_delta(x1[start:start + n]))
                 start += n
             y1 = torch.cat(outs)
-            y2 = grouped(x2, torch.tensor(counts))
+            y2 = grouped.grouped(x2, counts)
             gy = torch.randn(y1.shape, generator=g)
             y1.backward(gy)
             y2.backward(gy)
@@ -140,9 +153,9 @@ def test_grouped_dropout_and_rslora_match_the_global_mask_reference(layout):
     from megatron_lora.lora import AdapterConfig, init_global_factors
     from megatron_lora.lora.factors import shard_like_base as _shard
     from megatron_lora.lora.dropout import keep_mask_at, sub_key
-    from megatron_lora.lora.grouped import GroupedExpertLora
-
     group = ps.get_expert_tensor_parallel_group()
+    # One-rank groups (each rank's own) for the expert-TP 1 case; created by every rank.
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     p, alpha, first = 0.3, 8.0, 4
     cfg = AdapterConfig(rank=RANK, alpha=alpha, dropout=p, use_rslora=True,
                         init_lora_weights=False)
@@ -172,14 +185,13 @@ def test_grouped_dropout_and_rslora_match_the_global_mask_reference(layout):
         ref.backward(gy)
         ref_ga = torch.stack([a.grad for a, _ in leaves])
         ref_gb = torch.stack([b.grad for _, b in leaves])
-        for tp_group in (None, group):
-            t = 1 if tp_group is None else tp_group.size()
-            k = 0 if tp_group is None else tp_group.rank()
-            module = GroupedExpertLora(kind, cfg, fin, fout, seeds, group=tp_group,
-                                       stride=2 if j == 0 else 1, expert_offset=first)
+        for tp_group in (solo, group):
+            t, k = tp_group.size(), tp_group.rank()
+            module = stacked_lora(kind, expert_bases(kind, len(counts), tp_group, fin, fout), cfg,
+                                  seeds, first)
             module.train()
             xl = (x if j == 0 else _shard(x, 1, t, k)).clone().requires_grad_(True)
-            y = module(xl, torch.tensor(counts), token_ids, dropout_key=key)
+            y = module.grouped(xl, counts, token_ids=token_ids, key=key)
             y.backward(_shard(gy, 1, t, k, 2) if j == 0 else gy)
             gx = xl.grad.clone()
             if j == 0:  # fc1: the input gradient is partial over expert-TP (B sharded)

@@ -104,20 +104,26 @@ def test_dense_bf16_adapter_matches_plain_torch(base_dtype, layout):
 
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=["fp32act",
                                                                           "bf16act"])
-def test_expert_bf16_adapter_matches_plain_torch(act_dtype):
-    """Grouped expert adapters (4 experts, one with no token), bf16 factors: fc1 and fc2 outputs
-    and gradients against a per-expert plain-torch loop with the same casts."""
-    from megatron_lora.lora.grouped import GroupedExpertLora
+@pytest.mark.parametrize("layout", [ParallelLayout()], ids=["TP1"])
+@multirank(world_size=1, timeout=120)
+def test_expert_bf16_adapter_matches_plain_torch(act_dtype, layout):
+    """Stacked expert adapters (4 experts, one with no token), bf16 factors: fc1 and fc2 outputs
+    and gradients of the grouped path against a per-expert plain-torch loop with the same
+    casts."""
+    from megatron.core import parallel_state as ps
+
+    from tests.lora.test_grouped import expert_bases, stacked_lora
 
     counts = [3, 0, 5, 2]
     cfg = AdapterConfig(rank=4, alpha=8.0, init_lora_weights=False, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(3)
+    group = ps.get_expert_tensor_parallel_group()
     for kind, (i, o) in (("linear_fc1", (16, 48)), ("linear_fc2", (24, 16))):
-        lora = GroupedExpertLora(kind, cfg, i, o, seeds=[5, 6, 7, 8])
+        lora = stacked_lora(kind, expert_bases(kind, 4, group, i, o), cfg, [5, 6, 7, 8])
         assert lora.lora_A.dtype == lora.lora_B.dtype == torch.bfloat16
         x = torch.randn(sum(counts), i, generator=g).to(act_dtype).requires_grad_(True)
         gy = torch.randn(sum(counts), o, generator=g).to(act_dtype)
-        y = lora(x, counts)
+        y = lora.grouped(x, counts)
         assert y.dtype == act_dtype
         (y * gy).sum().backward()
         xr = x.detach().clone().requires_grad_(True)
@@ -126,7 +132,7 @@ def test_expert_bf16_adapter_matches_plain_torch(act_dtype):
         parts, start = [], 0
         for e, n in enumerate(counts):
             xe = xr[start:start + n]
-            parts.append((xe @ ar[e].to(act_dtype).t() * lora.scaling) @ br[e].to(act_dtype).t())
+            parts.append((xe @ ar[e].to(act_dtype).t() * lora.scales[e]) @ br[e].to(act_dtype).t())
             start += n
         yr = torch.cat(parts)
         (yr * gy).sum().backward()

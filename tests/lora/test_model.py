@@ -159,7 +159,10 @@ def test_apply_lora_wires_expert_dropout_through_the_dispatcher(dispatcher,
     adapters = apply_lora(model, LoraConfig(r=4, lora_dropout=0.25, init_lora_weights=False,
                                             target_modules=["linear_fc1", "linear_fc2"]),
                           verbose=False)
-    experts = [a for name, a in adapters.items() if ".experts." in name]
+    from megatron_lora.lora.experts import ExpertLora, ExpertSlot
+
+    assert all(isinstance(a, ExpertLora) for n, a in adapters.items() if ".experts." in n)
+    experts = [m for m in model.modules() if isinstance(m, ExpertSlot)]  # each expert's linear
     seen = {}
     for adapter in experts:
         def spy(input_, _source=adapter.dropout_rows, _name=adapter.global_name):

@@ -127,7 +127,7 @@ def test_bad_input_is_rejected_before_any_collective(layout):
     from megatron_lora.lora.accounting import record_collectives
     from megatron_lora.lora.embedding import wrap_embedding, wrap_output_layer
     from megatron_lora.lora.experts import wrap_experts
-    from megatron_lora.lora.grouped import GroupedExpertLora
+    from megatron_lora.lora.expert_lora import ExpertLora
     from megatron_lora.lora.router import wrap_router
     from tests.lora import _moe_support as M
 
@@ -141,6 +141,12 @@ def test_bad_input_is_rejected_before_any_collective(layout):
                      submodules=spec_submodules(local_layer_spec(M.E).submodules.mlp))
     experts = fresh.experts
     prefix = "decoder.layers.0.mlp.experts"
+
+    def stacked(cfg):  # the stacked fc1 adapters of the local experts, nothing wrapped
+        bases = [mlp.linear_fc1 for mlp in experts.local_experts]
+        names = [f"{prefix}.{e}.linear_fc1" for e in range(len(bases))]
+        return ExpertLora("linear_fc1", bases, [cfg] * len(bases), [1] * len(bases), names=names,
+                          first_expert=0, freeze_base=False)
 
     def only_last_fc2_too_big(name):  # a rank pattern that fails on the last adapter
         return AdapterConfig(rank=10_000 if name.endswith("7.linear_fc2") else 4, alpha=8)
@@ -171,20 +177,25 @@ def test_bad_input_is_rejected_before_any_collective(layout):
          r"VocabParallelEmbedding"),
         (lambda: wrap_output_layer(fresh.router, ok, seed=1), UnsupportedBaseLayerError,
          r"column-parallel"),
-        (lambda: GroupedExpertLora("linear_fc1", ok, 8, 8, [1, 2])(torch.zeros(5, 8), [2, 2, 1]),
-         ValueError, r"tokens_per_expert \[2, 2, 1\] does not fit 2 local experts"),
-        (lambda: GroupedExpertLora("linear_fc1", AdapterConfig(rank=4, alpha=8, dropout=0.1), 8,
-                                   8, [1, 2])(torch.zeros(5, 8), [2, 3]),
-         ValueError, r"GroupedExpertLora: dropout 0.1 in training needs token_ids"),
+        (lambda: wrap_experts(experts, lambda n: AdapterConfig(
+            rank=4, alpha=8, dropout=0.1 if "3." in n else 0.0), prefix=prefix,
+            seed_for=M.seed_for, moe_layer=fresh), ValueError,
+         r"every expert's linear_fc1 adapter must have the same dropout"),
+        (lambda: stacked(ok).grouped(torch.zeros(5, M.H), [2, 2, 1]),
+         ValueError, r"tokens_per_expert \[2, 2, 1\] \(from local expert 0\) does not fit 4 local"),
+        (lambda: stacked(AdapterConfig(rank=4, alpha=8, dropout=0.1)).grouped(
+            torch.zeros(5, M.H), [2, 3, 0, 0]),
+         ValueError, r"dropout 0.1 in training needs token_ids"),
     ]
     with record_collectives() as calls:
         for make, error, pattern in bad:
             with pytest.raises(error, match=pattern):
                 make()
     assert calls == [], f"collectives were issued while rejecting bad input: {calls}"
-    from megatron_lora.lora import LoraAdapter
+    from megatron_lora.lora.experts import ExpertSlot
 
-    assert not any(isinstance(m, LoraAdapter) for m in experts.modules()), "partially wrapped"
+    assert not any(isinstance(m, (ExpertSlot, ExpertLora)) for m in experts.modules()), \
+        "partially wrapped"
 
 
 def _wrap_with_local_count(experts, count, *args, **kwargs):

@@ -154,6 +154,7 @@ def test_dora_norm_is_formed_once_per_step_per_linear(layout=ParallelLayout()):
     initialised and once per step after that, not once per microbatch."""
     from megatron_lora.lora import dora as D
     from megatron_lora.lora.adapter import LoraAdapter
+    from megatron_lora.lora.expert_lora import ExpertLora
     from megatron_lora.lora.model import LoraConfig, apply_lora
     from megatron_lora.training.loop import train
     from tests.training import _support as S
@@ -173,7 +174,8 @@ def test_dora_norm_is_formed_once_per_step_per_linear(layout=ParallelLayout()):
                                      use_dora=True, target_modules=["linear_qkv", "linear_proj",
                                                                     "linear_fc1", "linear_fc2"]),
                    verbose=False)
-        adapters = sum(isinstance(m, LoraAdapter) for m in model.modules())
+        adapters = sum(isinstance(m, LoraAdapter) for m in model.modules()) + sum(
+            m.num_experts for m in model.modules() if isinstance(m, ExpertLora))  # per linear
         assert adapters == 2 * (2 + 2 * shape.num_experts) and len(calls) == adapters
         calls.clear()
         steps = 2

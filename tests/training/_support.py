@@ -48,6 +48,20 @@ def optim(iters=5) -> OptimConfig:
     return OptimConfig(lr=3e-3, lr_warmup_iters=1, train_iters=iters, clip_grad=1.0)
 
 
+def per_expert(adapters) -> dict:
+    """apply_lora's {name: adapter} with each stacked expert adapter (ExpertLora) replaced by its
+    local experts' views, keyed by their global names (`...experts.5.linear_fc1`)."""
+    from megatron_lora.lora.expert_lora import ExpertLora
+
+    out = {}
+    for name, ad in adapters.items():
+        if isinstance(ad, ExpertLora):
+            out.update((view.global_name, view) for view in ad.experts())
+        else:
+            out[name] = ad
+    return out
+
+
 def global_adapters(adapters) -> dict:
     """{global name.A/B: the adapter's global factor} (gathered over its TP / expert-TP group;
     each rank has the adapters of its own pipeline stage and experts)."""
@@ -61,7 +75,7 @@ def global_adapters(adapters) -> dict:
     from megatron_lora.lora.trainable_tokens import TrainableTokensEmbedding, TrainableTokensOutput
 
     out = {}
-    for name, ad in adapters.items():
+    for name, ad in per_expert(adapters).items():
         if isinstance(ad, (PrefixAttention, PrefixEncoder)):
             out.update(_global_prefix(name, ad))
             continue

@@ -96,7 +96,9 @@ class ExpertView:
         if g is None:
             return None
         g = g[self.local]
-        return {"lora_A": g[:self.rank], "lora_B": g[:, :self.rank]}.get(name, g)
+        if name == "lora_A":
+            return g[:self.rank]
+        return g[:, :self.rank] if name == "lora_B" else g
 
 
 class ExpertLora(torch.nn.Module):

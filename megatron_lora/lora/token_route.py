@@ -17,7 +17,7 @@ layer's own dispatcher, on this layer instance only (nothing in megatron is patc
   dispatcher (same groups and config, its own per-call state, so the real dispatch is untouched);
   the result lines up with the experts' input rows;
 - the SequentialMLP's `forward` is wrapped on the instance: it splits the indices by
-  tokens_per_expert and hands each local expert's adapters (key stream 2 e + j, dropout.sub_key)
+  tokens_per_expert and hands each local expert's ExpertSlots (key stream 2 e + j, dropout.sub_key)
   their rows for that call (grouped experts, models/grouped_experts.py, read the whole call's
   indices and key from `experts.token_route`).
 
@@ -119,7 +119,7 @@ def dispatch_token_index(dispatcher, hidden_states, routing_map, probs, index,
 def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> TokenRoute:
     """Wrap `moe_layer.token_dispatcher.dispatch_preprocess` and `experts_module.forward` on
     these instances (see the module docstring); `adapters[local]` are local expert `local`'s
-    LoraAdapters as (adapter, stream_offset) pairs; needs_route() -> bool decides per forward
+    ExpertSlots (lora/experts.py) as (slot, stream_offset) pairs; needs_route() -> bool decides per forward
     (the same on every rank: it depends on the configs of all global experts and train mode)."""
     from megatron_lora.lora.placement import expert_placement
 

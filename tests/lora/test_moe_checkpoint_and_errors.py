@@ -181,8 +181,8 @@ def test_bad_input_is_rejected_before_any_collective(layout):
             rank=4, alpha=8, dropout=0.1 if "3." in n else 0.0), prefix=prefix,
             seed_for=M.seed_for, moe_layer=fresh), ValueError,
          r"every expert's linear_fc1 adapter must have the same dropout"),
-        (lambda: stacked(ok).grouped(torch.zeros(5, M.H), [2, 2, 1]),
-         ValueError, r"tokens_per_expert \[2, 2, 1\] \(from local expert 0\) does not fit 4 local"),
+        (lambda: stacked(ok).grouped(torch.zeros(7, M.H), [2, 2, 1, 1, 1]), ValueError,
+         r"tokens_per_expert \[2, 2, 1, 1, 1\] \(from local expert 0\) does not fit 4 local"),
         (lambda: stacked(AdapterConfig(rank=4, alpha=8, dropout=0.1)).grouped(
             torch.zeros(5, M.H), [2, 3, 0, 0]),
          ValueError, r"dropout 0.1 in training needs token_ids"),

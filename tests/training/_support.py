@@ -62,6 +62,15 @@ def per_expert(adapters) -> dict:
     return out
 
 
+def factor_grad(adapter, name: str):
+    """The gradient of an adapter factor (megatron DDP's main_grad where there is one, else
+    .grad); for an expert view its slice of the stacked gradient."""
+    if callable(getattr(adapter, "grad", None)):
+        return adapter.grad(name)
+    p = getattr(adapter, name)
+    return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+
+
 def global_adapters(adapters) -> dict:
     """{global name.A/B: the adapter's global factor} (gathered over its TP / expert-TP group;
     each rank has the adapters of its own pipeline stage and experts)."""

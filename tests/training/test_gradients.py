@@ -40,7 +40,7 @@ def _reference(directory, layout=ParallelLayout()):
     """Global weights with non-zero adapters, and plain-autograd gradients of the global mean loss
     of the first global batch."""
     model = S.model(layout)
-    adapters = apply_lora(model, LORA, verbose=False)
+    adapters = S.per_expert(apply_lora(model, LORA, verbose=False))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for ad in adapters.values():  # B starts at zero: make every factor's gradient non-zero
@@ -60,8 +60,8 @@ def _reference(directory, layout=ParallelLayout()):
     out = {"loss": loss.detach().reshape(1)}
     for name, ad in adapters.items():
         out[f"{name}.A"], out[f"{name}.B"] = global_factors(ad)
-        out[f"grad/{name}.A"] = ad.lora_A.grad.detach().clone()
-        out[f"grad/{name}.B"] = ad.lora_B.grad.detach().clone()
+        out[f"grad/{name}.A"] = S.factor_grad(ad, "lora_A").detach().clone()
+        out[f"grad/{name}.B"] = S.factor_grad(ad, "lora_B").detach().clone()
     grads = [v for k, v in out.items() if k.startswith("grad/")]
     norm = torch.sqrt(sum((v.double() ** 2).sum() for v in grads))
     assert all(v.abs().max() > 0 for v in grads)
@@ -99,8 +99,9 @@ def _capture_step(adapters, captured):
 
         def step():
             for name, ad in adapters.items():
-                grads = types.SimpleNamespace(geometry=ad.geometry, lora_A=ad.lora_A.main_grad,
-                                              lora_B=ad.lora_B.main_grad)
+                grads = types.SimpleNamespace(geometry=ad.geometry,
+                                              lora_A=S.factor_grad(ad, "lora_A"),
+                                              lora_B=S.factor_grad(ad, "lora_B"))
                 captured[f"grad/{name}.A"], captured[f"grad/{name}.B"] = global_factors(grads)
             ok, grad_norm, zeros = real_step()
             captured["grad_norm"] = grad_norm
@@ -134,7 +135,7 @@ def test_a_step_applies_the_clipped_gradient_of_the_global_mean_loss(layout, wor
     ref = load_file(os.path.join(grad_reference, "reference.safetensors"))
     weights = os.path.join(grad_reference, "weights")
     model = S.model(layout, weights)
-    adapters = apply_lora(model, LORA, verbose=False)
+    adapters = S.per_expert(apply_lora(model, LORA, verbose=False))
     load_weights(model, weights)  # the reference's non-zero adapters
     captured = {}
     real, wrap = _capture_step(adapters, captured)

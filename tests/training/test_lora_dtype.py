@@ -72,9 +72,9 @@ def _global_grads(adapters) -> dict:
     from megatron_lora.lora import global_factors
 
     out = {}
-    for name, ad in adapters.items():
-        grads = SimpleNamespace(geometry=ad.geometry, lora_A=ad.lora_A.main_grad,
-                                lora_B=ad.lora_B.main_grad)
+    for name, ad in S.per_expert(adapters).items():
+        grads = SimpleNamespace(geometry=ad.geometry, lora_A=S.factor_grad(ad, "lora_A"),
+                                lora_B=S.factor_grad(ad, "lora_B"))
         a, b = global_factors(grads)
         out[f"{name}.A.grad"], out[f"{name}.B.grad"] = a.float(), b.float()
     return out

@@ -36,6 +36,11 @@ def unstride(parts: list, dim: int, stride: int) -> torch.Tensor:
 def global_factors(adapter) -> tuple:
     """(A, B) global, detached, on every rank of the adapter's group (collective; the router's
     pair is replicated, global = local: no collective)."""
+    from megatron_lora.lora.expert_lora import ExpertLora
+
+    if isinstance(adapter, ExpertLora):
+        raise TypeError("global_factors takes one expert's pair: pass adapter.expert(e) (or "
+                        "each of adapter.experts()) of a stacked ExpertLora")
     g = getattr(adapter, "geometry", None)
     if g is None:  # RouterLora: A [r, h], B [E, r] on every rank
         return adapter.lora_A.detach().clone(), adapter.lora_B.detach().clone()

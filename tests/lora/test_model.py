@@ -78,6 +78,36 @@ def test_the_same_config_gives_the_same_global_adapters_at_any_layout():
     assert not torch.equal(single[names[0]][0], single[names[1]][0])
 
 
+@multirank(world_size=1, timeout=300)
+def test_expert_adapters_are_four_tensors_per_moe_layer_at_any_expert_count(
+        layout=ParallelLayout()):
+    """Expert LoRA is one stacked A and B per expert linear per MoE layer ([E, r, in] and
+    [E, out, r]): the number of trainable tensors does not grow with the expert count, and the
+    parameter count is the per-expert sum (r (in + out) per expert linear)."""
+    from megatron_lora.lora.expert_lora import ExpertLora
+
+    counts = {}
+    for experts in (4, 16):
+        shape = tiny_moe_shape(num_experts=experts)
+        model = build_gpt_model(shape, transformer_config(shape, layout))
+        adapters = apply_lora(model, LoraConfig(r=4, target_modules=["linear_fc1", "linear_fc2"]),
+                              verbose=False)
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        per_layer = {}
+        for name in trainable:
+            layer = name.split(".mlp.")[0]
+            per_layer[layer] = per_layer.get(layer, 0) + 1
+        assert set(per_layer.values()) == {4}, per_layer  # fc1 A, B and fc2 A, B
+        assert all(isinstance(a, ExpertLora) for a in adapters.values())
+        fc1 = trainable["decoder.layers.0.mlp.experts.adapters.linear_fc1.lora_A"]
+        h, f = shape.hidden_size, shape.ffn_hidden_size  # the experts' ffn size
+        assert tuple(fc1.shape) == (experts, 4, h)
+        count, _ = count_parameters(model)
+        assert count == shape.num_layers * experts * 4 * ((h + 2 * f) + (f + h))
+        counts[experts] = len(trainable)
+    assert counts[4] == counts[16], counts
+
+
 @multirank(world_size=2)
 def test_everything_but_the_adapters_is_frozen_and_counted_once(layout=ParallelLayout(tp=2, sp=True)):
     model = build_gpt_model(DENSE, transformer_config(DENSE, layout))

@@ -15,7 +15,7 @@ self time):
   the MoE layer's remainder = the token dispatcher's permute/combine, norms, embedding, output
   layer + loss, LoRA adapters); an op belongs to its innermost range. Inside an adapter the base
   layer's ops belong to the part holding the adapter, the rest to "lora"; the grouped experts'
-  LoRA term (GroupedExperts._grouped_lora) to "lora".
+  LoRA term (ExpertLora.grouped, the stacked expert adapters' grouped product) to "lora".
 - backward: the autograd node of each forward op carries the op's sequence number; every op
   run under that node's `evaluate_function` belongs to the forward op's part (AccumulateGrad:
   the trainable parameters', i.e. "lora").
@@ -53,8 +53,9 @@ def _part_of(module, parent_part):
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_lora.lora.adapter import LoraAdapter
+    from megatron_lora.lora.experts import ExpertSlot
 
-    if isinstance(module, LoraAdapter):
+    if isinstance(module, (LoraAdapter, ExpertSlot)):  # an expert's slot: base + its term
         return "lora"
     if isinstance(module, LanguageModelEmbedding):
         return "embedding"
@@ -77,7 +78,8 @@ def instrument(model) -> list:
     from torch.autograd.profiler import record_function
 
     from megatron_lora.lora.adapter import LoraAdapter
-    from megatron_lora.models.grouped_experts import GroupedExperts
+    from megatron_lora.lora.expert_lora import ExpertLora
+    from megatron_lora.lora.experts import ExpertSlot
 
     handles, open_ranges = [], []
 
@@ -97,7 +99,7 @@ def instrument(model) -> list:
         mine = _part_of(module, part)
         if mine is not None:
             add(module, mine)
-        if isinstance(module, LoraAdapter):
+        if isinstance(module, (LoraAdapter, ExpertSlot)):
             add(module.base_layer, BASE)
         if isinstance(module, Attention):
             add(module.core_attention, "attention (core)")
@@ -115,14 +117,14 @@ def instrument(model) -> list:
                 return loss_fn(*args, **kwargs)
 
         model.compute_language_model_loss = loss
-    original = GroupedExperts._grouped_lora
+    original = ExpertLora.grouped
 
     def grouped_lora(self, *args, **kwargs):
         with record_function(PREFIX + "lora"):
             return original(self, *args, **kwargs)
 
-    GroupedExperts._grouped_lora = grouped_lora
-    handles.append(_Restore(GroupedExperts, "_grouped_lora", original))
+    ExpertLora.grouped = grouped_lora
+    handles.append(_Restore(ExpertLora, "grouped", original))
     return handles
 
 

@@ -90,15 +90,17 @@ class ForeachNormOptimizer(ChainedOptimizer):
     made on the device by foreach kernels (module docstring); everything else is megatron's."""
 
     def _is_plain(self) -> bool:
-        """True when megatron's step would do no more than norm, clip and step."""
-        subs = self.chained_optimizers
-        if not subs:
-            return False
-        config = self.config
-        return (not config.log_num_zeros_in_grad
+        """True when megatron's step would do no more than norm, clip and step (decided once:
+        the parameters and the config do not change)."""
+        plain = getattr(self, "_plain", None)
+        if plain is None:
+            subs, config = self.chained_optimizers, self.config
+            plain = self._plain = bool(
+                subs and not config.log_num_zeros_in_grad
                 and not config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                 and versions.grad_norm_skip_threshold(config) == float("inf")
                 and not any(versions.separate_grad_norm_groups(s) for s in subs))
+        return plain
 
     def grad_norm_tensor(self) -> torch.Tensor:
         """The gradient norm megatron's get_grad_norm computes (after prepare_grads), as a 0-dim

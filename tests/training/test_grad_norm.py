@@ -25,19 +25,17 @@ LORA = LoraConfig(r=4, lora_alpha=8, seed=11,
                   target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
-def _random_grads(optimizer, seed: int) -> int:
-    """Fill every main gradient with normal values whose scale spans 1e-3..10 across tensors
-    (sums of very unequal terms); returns the number of elements filled."""
+def _random_grads(module, seed: int) -> int:
+    """Fill every trainable parameter's main gradient (DDP's buffer) with normal values whose
+    scale spans 1e-3..10 across tensors (sums of very unequal terms); returns the number of
+    elements filled."""
     g = torch.Generator().manual_seed(seed)
     count = 0
-    for sub in optimizer.chained_optimizers:
-        for p in sub.get_parameters():
-            grad = getattr(p, "main_grad", None)
-            if grad is None:
-                continue
+    for p in module.parameters():
+        if p.requires_grad:
             scale = 10.0 ** (4 * torch.rand((), generator=g).item() - 3)
-            grad.copy_(torch.randn(grad.shape, generator=g) * scale)
-            count += grad.numel()
+            p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=g) * scale)
+            count += p.numel()
     return count
 
 
@@ -57,22 +55,27 @@ def _norm_bound(terms: int) -> float:
 LAYOUTS = [
     # TP2 x PP2 with EP2 and expert-TP 1: the expert optimizer reduces over expert-TP x EP x PP,
     # dense over TP x PP; replicated expert factors are duplicates over expert-TP only.
-    pytest.param(ParallelLayout(tp=2, pp=2, ep=2, etp=1, sp=True), 4, id="TP2xPP2xEP2xETP1"),
+    pytest.param(ParallelLayout(tp=2, pp=2, ep=2, etp=1, sp=True), 4, False,
+                 id="TP2xPP2xEP2xETP1"),
     # TP2 x DP2 with EP2 x ETP2.
-    pytest.param(ParallelLayout(tp=2, ep=2, etp=2), 4, id="TP2xEP2xETP2"),
+    pytest.param(ParallelLayout(tp=2, ep=2, etp=2), 4, False, id="TP2xEP2xETP2"),
+    # megatron's distributed optimizer: main-gradient shards, every sub-optimizer's statistics
+    # reduced over the whole data-parallel instance (one shared group).
+    pytest.param(ParallelLayout(tp=2, ep=2, etp=1), 4, True, id="TP2xEP2xETP1-distributed"),
 ]
 
 
-@pytest.mark.parametrize("layout,world_size", LAYOUTS)
+@pytest.mark.parametrize("layout,world_size,distributed", LAYOUTS)
 @multirank(world_size=lambda world_size, **_: world_size, timeout=300)
-def test_the_norm_and_clip_equal_megatrons(layout, world_size):
+def test_the_norm_and_clip_equal_megatrons(layout, world_size, distributed):
     model = S.model(layout)  # linear_proj (TP-sharded), expert linear_fc2, norms (replicated)
     apply_lora(model, LORA, verbose=False)
-    _, optimizer, _ = wrap_for_training([model], OptimConfig(clip_grad=1.0))
+    _, optimizer, _ = wrap_for_training(
+        [model], OptimConfig(clip_grad=1.0, use_distributed_optimizer=distributed))
     subs = optimizer.chained_optimizers
     assert any(g["is_expert_parallel"] for s in subs for g in s.param_groups), "no expert params"
     assert any(not g["is_expert_parallel"] for s in subs for g in s.param_groups), "no dense"
-    local = _random_grads(optimizer, seed=100 + dist.get_rank())
+    local = _random_grads(model, seed=100 + dist.get_rank())
     terms = torch.tensor([float(local)])
     dist.all_reduce(terms)  # every element of every rank: an upper bound of the summed squares
     optimizer.prepare_grads()  # main_grad -> grad, as the step does
@@ -125,7 +128,7 @@ def _reads_of_a_step(count: int, megatrons: bool) -> int:
                     group["fused"] = group["foreach"] = None  # torch's default kernels
         reads = []
         for _ in range(2):
-            _random_grads(optimizer, seed=count)
+            _random_grads(module, seed=count)
             before = len(check.reads)
             ok, norm, _ = optimizer.step()
             assert ok and math.isfinite(norm)

@@ -63,3 +63,20 @@ def test_a_restored_step_count_sits_where_torchs_adam_keeps_it(kernel):
     adam.state[param]["step"] = restored
     adam.step()  # the kernel takes it
     assert adam.state[param]["step"].item() == 8.0
+
+
+@multirank(world_size=1, timeout=300)
+def test_what_the_foreach_step_does_not_do_falls_back_to_megatrons_step(layout=ParallelLayout()):
+    # Counting zeros (megatron's log_num_zeros_in_grad) is megatron's step's alone: with it on,
+    # the step is megatron's (it reports the count) and its norm is the foreach one's.
+    module = many_tensors_module(6)
+    _, optimizer, _ = wrap_for_training([module], OptimConfig(clip_grad=1.0))
+    optimizer.config.log_num_zeros_in_grad = True
+    for sub in optimizer.chained_optimizers:
+        for p in sub.get_parameters():
+            p.main_grad.fill_(0.5)
+            p.main_grad[0].zero_()  # one zero row of 8 per tensor
+    ok, norm, zeros = optimizer.step()
+    assert ok and zeros == 6 * 8, zeros
+    # 6 tensors of 32 elements, 24 of them 0.5: the norm is sqrt(6 * 24 * 0.25) = 6 exactly.
+    assert norm == pytest.approx(6.0, rel=4 * U), norm

@@ -16,6 +16,8 @@ introduced the change and the megatron-core call site.
 | the grad norm filters a replicated expert parameter's duplicates over the expert-TP group (`expert_tp_group`); before, over the dense TP group, so at expert-TP != TP a TP rank left its replicated expert-adapter factors out of the norm (and clipped by another factor) | 0.19.0 | `optimizer/optimizer.py:get_main_grads_for_grad_norm`, `tensor_parallel/layers.py:param_is_not_tensor_parallel_duplicate` | `filter_expert_duplicates_over_expert_tp` |
 | legacy `GroupedMLP` (grouped_gemm package) removed; `moe_grouped_gemm=True` means TE's `TEGroupedMLP` | 0.17.0 | `transformer/moe/experts.py` | not used: SequentialMLP only |
 | multi-latent attention resolves its q/kv projections and latent norms through `QKNormConfigResolver` (norms only with `qk_layernorm`; without `q_lora_rank` a norm fused into `linear_q_proj`, which the local backend lacks); before, it built the spec's modules | 0.19.0 | `transformer/multi_latent_attention.py:MLASelfAttention._resolve_qk_norm_config`, `transformer/mla_qk_norm_config.py` | `models/mla.py:LocalMLASelfAttention._resolve_qk_norm_config` returns the spec's modules |
+| an optimizer's gradients for the norm: `get_main_grads_for_grad_norm()`; renamed `get_grads_for_grad_norm(grad_norm_group=None)`, which leaves out parameters tagged with a separate grad-norm group (`grad_norm_group`, e.g. multi-token prediction's, clipped by their own norm) | 0.19.0 | `optimizer/optimizer.py:MegatronOptimizer` | `grads_for_norm`, `separate_grad_norm_groups` |
+| `OptimizerConfig.grad_norm_skip_threshold`: ChainedOptimizer.step skips the update when the norm exceeds it (default inf: never) | 0.19.0 | `optimizer/optimizer.py:ChainedOptimizer.step` | `grad_norm_skip_threshold` |
 | without Transformer Engine, `extensions/transformer_engine.py` still imports (TE stood in by a `MagicMock`), so multi-latent attention sets `HAVE_TE = True` with `TELinear` a mock instance and `isinstance(self.linear_proj, TELinear)` raises TypeError at construction; 0.19 fails that import and sets `HAVE_TE = False` | 0.16.x | `transformer/multi_latent_attention.py` lines 54-65, 183-186 | `mla_without_transformer_engine` |
 """
 
@@ -111,3 +113,30 @@ def filter_expert_duplicates_over_expert_tp(optimizer: Any) -> None:
         groups = getattr(getattr(sub, "optimizer", None), "param_groups", [])
         if groups and all(g.get("is_expert_parallel", False) for g in groups):
             sub.tp_group = parallel_state.get_expert_tensor_parallel_group()
+
+
+def grads_for_norm(optimizer: Any) -> list:
+    """The gradients a megatron (sub-)optimizer counts in its gradient norm, filtered as megatron
+    filters them (no shared parameter twice, no tensor-parallel duplicate): its tensors, on the
+    device, whichever release names the method."""
+    if hasattr(optimizer, "get_grads_for_grad_norm"):  # 0.19+
+        return optimizer.get_grads_for_grad_norm()
+    return optimizer.get_main_grads_for_grad_norm()
+
+
+def separate_grad_norm_groups(optimizer: Any) -> bool:
+    """Whether a parameter of this (sub-)optimizer is tagged with a gradient-norm group of its
+    own (0.19's `grad_norm_group` attribute), which megatron clips by that group's norm; never
+    before 0.19."""
+    try:
+        from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
+    except ImportError:  # <= 0.18: no such groups
+        return False
+    return any(getattr(p, GRAD_NORM_GROUP_ATTR, None) is not None
+               for p in optimizer.get_parameters())
+
+
+def grad_norm_skip_threshold(config: Any) -> float:
+    """The norm above which 0.19's ChainedOptimizer skips an update (inf: never; no such setting
+    before 0.19)."""
+    return float(getattr(config, "grad_norm_skip_threshold", float("inf")))

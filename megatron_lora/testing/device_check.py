@@ -23,8 +23,9 @@ step pass every CPU test. While a `DeviceCheck` is active:
 - a torch factory called from package code (megatron_lora/) without a `device` raises: the
   package says where each tensor it makes lives.
 - every read of a device tensor's value on the host (`item`, `tolist`, `float`, `int`, `bool`,
-  `numpy`, a copy to the host: each a stream synchronisation on a GPU) is recorded with its call
-  site and the training step it belongs to (`steps`, counted by calls of the training step).
+  `numpy`, a copy to the host, each device tensor in a list given to `torch.tensor`: each a
+  stream synchronisation on a GPU) is recorded with its call site and the training step it
+  belongs to (`steps`, counted by calls of the training step).
 
 The backward of custom autograd Functions (the package's LoRA, expert and collective Functions,
 megatron's) runs under the check too, its incoming gradients taken as device tensors. Not seen:
@@ -57,6 +58,8 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empt
               torch.arange, torch.range, torch.rand, torch.randn, torch.randint, torch.randperm,
               torch.eye, torch.linspace, torch.logspace, torch.empty_strided}
 _ALWAYS_HOST = {torch.from_numpy, torch.frombuffer}
+# Factories that read their data's tensors element by element (a list of 0-dim tensors).
+_FROM_DATA = {torch.tensor, torch.as_tensor}
 _LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
          torch.randn_like, torch.randint_like}
 _NEW = {torch.Tensor.new_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones,
@@ -247,6 +250,12 @@ class DeviceCheck(TorchFunctionMode):
             if site.startswith(_PACKAGE) and not site.startswith(os.path.abspath(__file__)):
                 self._fail(f"torch.{func.__name__} without a device in package code: say "
                            f"device=runtime.device() for the rank's device, 'cpu' for host memory")
+        if func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor):
+            # torch.tensor([t0, t1, ...]) of device scalars copies each to the host (one
+            # synchronisation apiece on a GPU), wherever the result goes.
+            for t in _tensors(args[0], []):
+                if self.is_device(t):
+                    self.reads.append(self._read(func))
         result = func(*args, **kwargs)
         if func not in _ALWAYS_HOST and _is_rank_device(kwargs.get("device")):
             self._mark_device(result)

@@ -49,6 +49,7 @@ from megatron_lora.lora.run_files import (  # noqa: F401 (the run folder's forma
 from megatron_lora.runtime.safe_load import CheckpointFileError, check_checkpoint, dist_load
 from megatron_lora.training.optimizer import (
     LOSS_SCALE_KEYS,
+    adam_step_tensor,
     loss_scale_state,
     set_loss_scale_state,
 )
@@ -143,7 +144,7 @@ def _set_optimizer_state(model_sd: Dict, optimizer, loaded: Dict, iteration: int
         state = inner.state[main_p]
         for name in _ADAM_STATES:
             state[name] = loaded[f"{name}/{key}"].to(main_p.dtype)
-        state["step"] = torch.tensor(float(iteration), device="cpu")  # torch Adam keeps it on the host
+        state["step"] = adam_step_tensor(inner, main_p, iteration)
         if main_p is not model_p:
             main_p.data.copy_(loaded[f"main_param/{key}"])
 

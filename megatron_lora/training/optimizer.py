@@ -12,6 +12,13 @@ adapters use megatron's dynamic loss scale (`config.grad_scale_func` scales the 
 optimizer unscales the gradients, starting at 2**16 and halving on an overflow); an overflow
 skips the step, which the training loop reports as non-finite gradients. fp32 adapters (the
 default) keep megatron's plain fp32 optimizer and fp32 gradient buffers, unchanged.
+
+Without Transformer Engine or apex, megatron falls back to torch.optim.AdamW with torch's default
+kernels (a Python loop over the parameters on CPU, foreach on CUDA) and to a gradient norm that
+reads every tensor's norm on the host: the optimizer here is megatron's ChainedOptimizer with the
+norm and clipping made by foreach kernels on the device (training/grad_norm.py), and its AdamW
+runs torch's fused kernel on CUDA and its foreach kernels on CPU (`use_fast_adam`). With TE's or
+apex's FusedAdam, megatron's choice stays.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_lora import runtime
 from megatron_lora.runtime.versions import filter_expert_duplicates_over_expert_tp
+from megatron_lora.training.grad_norm import with_foreach_norm
 from megatron_lora.training.step import finalize_pre_normalised_grads
 
 
@@ -123,8 +131,9 @@ def wrap_for_training(
         use_distributed_optimizer=distributed,
         **({"initial_loss_scale": 2.0 ** 16, "hysteresis": 1} if fp16 else {}),
     )
-    optimizer = get_megatron_optimizer(opt_config, wrapped)
+    optimizer = with_foreach_norm(get_megatron_optimizer(opt_config, wrapped))
     filter_expert_duplicates_over_expert_tp(optimizer)
+    use_fast_adam(optimizer)
     if fp16:  # megatron's schedules multiply the loss by this before backward
         config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
@@ -141,6 +150,32 @@ def wrap_for_training(
         wd_incr_style="constant",
     )
     return wrapped, optimizer, scheduler
+
+
+def use_fast_adam(optimizer) -> None:
+    """Make every torch Adam/AdamW that megatron built (its fallback without TE or apex) step all
+    its parameters at once: torch's fused kernel when they are on CUDA, its foreach kernels
+    otherwise. Set before any state exists (torch keeps a fused optimizer's step count on the
+    parameter's device); TE's and apex's optimizers are left as they are."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        if any(inner.state.values()):
+            raise RuntimeError("use_fast_adam: the optimizer has state already; call it first")
+        cuda = all(p.is_cuda for g in inner.param_groups for p in g["params"])
+        for group in [inner.defaults] + list(inner.param_groups):
+            group["fused"], group["foreach"] = cuda, not cuda
+
+
+def adam_step_tensor(inner: torch.optim.Optimizer, param: torch.Tensor,
+                     step: float) -> torch.Tensor:
+    """The tensor torch's Adam keeps as `param`'s step count: fp32 on the parameter's device for
+    a fused (or capturable) group, whose kernel reads it there; a host scalar otherwise."""
+    group = next(g for g in inner.param_groups if any(p is param for p in g["params"]))
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    return torch.tensor(float(step), device="cpu")
 
 
 LOSS_SCALE_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")

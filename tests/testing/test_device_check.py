@@ -4,9 +4,10 @@ One process runs train (LoRA with grouped and per-expert MLPs, DoRA with dropout
 prefix tuning, new tokens, an NF4 base, validation, a resume, an --adapter start), generate
 (greedy and sampled), logits, the exports and parity's reference under the check: no op mixes
 host and device tensors, no collective gets a host tensor, no package factory lacks a device,
-and the package reads device values on the host once per log line, never per micro-batch. Train,
-generate and parity run so at two ranks too. Then each of the four bugs the first GPU run met is
-put back (tests/testing/_device_bugs.py) and must be caught.
+and the package reads device values on the host once a step (the gradient norm) and once per log
+line, never per micro-batch or per trainable tensor. Train, generate and parity run so at two
+ranks too. Then each of the four bugs the first GPU run met is put back
+(tests/testing/_device_bugs.py) and must be caught.
 """
 
 import collections
@@ -133,16 +134,17 @@ def test_the_package_reads_the_device_once_per_log_line(clean_run):
     training = {r["site"].split(" in ")[1] for r in result["reads"]
                 if "/megatron_lora/" in r["site"] and not r["setup"]
                 and commands[r["command"]][0] == "train"}
-    # What training may read once it steps: the pending losses at a log line (loop's read), a
-    # validation's mean, the checkpoint's agreement flag (once per save).
-    assert training <= {"read", "evaluate", "_agree"}, training
+    # What training may read once it steps: the gradient norm once a step (grad_norm.py's step),
+    # the pending losses at a log line (loop's read), a validation's mean, the checkpoint's
+    # agreement flag (once per save).
+    assert training <= {"step", "read", "evaluate", "_agree"}, training
     # The per-expert runs: 4 iterations at --log-interval 2, with 2 and 4 micro-batches a step,
-    # read the same: once at each log line, nothing in between.
+    # read the same: the norm once a step, and once more at each log line.
     for command in (2, 3):
         reads = _package_reads(result, command)
         first = min(r["step"] for r in result["reads"] if r["command"] == command
                     and not r["setup"])
-        assert [reads.get(first + k, 0) for k in range(4)] == [0, 1, 0, 1], (command, reads)
+        assert [reads.get(first + k, 0) for k in range(4)] == [1, 2, 1, 2], (command, reads)
 
 
 @pytest.mark.parametrize("bug, expected", [
@@ -205,3 +207,19 @@ def test_several_ranks_run_as_on_gpus(tiny, clean_run):
         assert out.returncode == 0, out.stderr[-3000:]
         for rank, report in enumerate(seen):
             assert report["errors"] == [] and report["exit_codes"] == [0], (name, rank, report)
+
+
+def test_each_device_scalar_given_to_torch_tensor_in_a_list_is_a_host_read():
+    # megatron-core's gradient-norm fallback makes torch.tensor([norm of each gradient]): on a GPU
+    # one copy to the host (a synchronisation) per element.
+    import torch
+
+    from megatron_lora.testing.device_check import RANK, DeviceCheck
+
+    with DeviceCheck() as check:
+        x = torch.arange(6.0, device=RANK)
+        norms = [torch.norm(t) for t in x.split(2)]
+        torch.tensor([norms[:2], norms[1:]])  # nested lists: each element read
+        torch.tensor(x)  # a tensor, not a list: copied, not read element by element
+        torch.tensor([1.0, 2.0])  # host numbers: nothing read
+    assert [r.what for r in check.reads] == ["tensor"] * 4, check.reads

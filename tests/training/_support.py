@@ -135,3 +135,26 @@ def assert_trained_like(final: dict, reference: dict, lr: float, steps: int, wha
     lrs = [lr] * steps
     compare.assert_adam_trained_close(final, {n: reference[n] for n in final}, lrs,
                                       compare.adam_tight_bound(lrs, CHAIN), what)
+
+
+def many_tensors_module(count: int, shape=(4, 8)):
+    """A megatron module of `count` trainable fp32 tensors of `shape` on the rank's device,
+    seeded by `count`; every other one an expert parameter (`allreduce = False`), as expert LoRA
+    makes them. For optimizer tests at many trainable tensors."""
+    from megatron.core.transformer.module import MegatronModule
+
+    from megatron_lora import runtime
+    from megatron_lora.runtime import ParallelLayout
+
+    class Tensors(MegatronModule):
+        def __init__(self):
+            super().__init__(transformer_config(SHAPE, ParallelLayout()))
+            g = torch.Generator().manual_seed(count)
+            self.weights = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.randn(*shape, generator=g).to(runtime.device()))
+                for _ in range(count))
+            for k, p in enumerate(self.weights):
+                if k % 2:
+                    p.allreduce = False  # megatron's mark of an expert parameter
+
+    return Tensors()

@@ -23,8 +23,9 @@ step pass every CPU test. While a `DeviceCheck` is active:
 - a torch factory called from package code (megatron_lora/) without a `device` raises: the
   package says where each tensor it makes lives.
 - every read of a device tensor's value on the host (`item`, `tolist`, `float`, `int`, `bool`,
-  `numpy`, a copy to the host: each a stream synchronisation on a GPU) is recorded with its call
-  site and the training step it belongs to (`steps`, counted by calls of the training step).
+  `numpy`, a copy to the host, each device element of a list given to `torch.tensor`: each a
+  stream synchronisation on a GPU) is recorded with its call site and the training step it
+  belongs to (`steps`, counted by calls of the training step).
 
 The backward of custom autograd Functions (the package's LoRA, expert and collective Functions,
 megatron's) runs under the check too, its incoming gradients taken as device tensors. Not seen:
@@ -121,12 +122,13 @@ def _accessor() -> str:
     return "" if frame is None else frame.f_code.co_filename
 
 
-def _tensors(obj, out: list, depth: int = 0) -> list:
+def _tensors(obj, out: list, depth: int = 0, lists: int = 2) -> list:
+    """The tensors in `obj`, looking into `lists` levels of lists and tuples, one of dicts."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-    elif isinstance(obj, (list, tuple)) and depth < 2:
+    elif isinstance(obj, (list, tuple)) and depth < lists:
         for item in obj:
-            _tensors(item, out, depth + 1)
+            _tensors(item, out, depth + 1, lists)
     elif isinstance(obj, dict) and depth < 1:
         for item in obj.values():
             _tensors(item, out, depth + 1)
@@ -242,6 +244,12 @@ class DeviceCheck(TorchFunctionMode):
         return result
 
     def _factory(self, func, args, kwargs):
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)):
+            # A list of device scalars (megatron's grad-norm fallback without apex:
+            # torch.tensor([torch.norm(g) for g in grads])) is read element by element, one
+            # synchronisation each on a GPU.
+            self.reads += [self._read(func) for t in _tensors(args[0], [], lists=64)
+                           if self.is_device(t)]
         if func not in _ALWAYS_HOST and "device" not in kwargs:
             site = _caller()
             if site.startswith(_PACKAGE) and not site.startswith(os.path.abspath(__file__)):

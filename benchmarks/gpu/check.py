@@ -9,8 +9,12 @@
 Builds a 2-layer model with Mixtral-8x7B layer shapes (h 4096, ffn 14336, 32 heads / 8 KV
 groups, 8 experts top-2, vocab 32000, EP 1) in bf16 with the fast path (SDPAttention,
 GroupedExperts), one micro-batch of [1, 4096] tokens, and times training steps of megatron-lora's
-own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward_backward):
-    frozen      base frozen except the final norm (the floor a LoRA step can approach)
+own stack (megatron DDP + megatron's optimizer with fp32 master weights, forward_backward);
+benchmarks/gpu/modes.py says what each mode trains and which FLOPs it runs:
+    frozen      base frozen except the final norm: backward never enters a decoder layer (a
+                forward plus the output layer's input gradient)
+    floor       frozen, with the decoder input requiring grad: backward runs through every
+                decoder layer, input gradients only (the floor a LoRA step can approach)
     lora        LoRA r=16 on linear_qkv, linear_proj and every expert's fc1/fc2, base frozen
     full        every parameter trained
     dora        the LoRA of `lora` with DoRA (train --lora-use-dora)
@@ -31,34 +35,39 @@ loop).
 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128 + rope 64 per query/key head, v 128, YaRN
 factor 40 over 4096; 256 routed experts top-8 of ffn 2048, sigmoid scores with the expert bias,
 8 groups of which 4 are kept, scaling 2.5, one shared expert of 2048; vocab 129280), about 25 B
-parameters (50 GB in bf16), and times frozen, lora (LoRA r=16 on linear_qkv, i.e. each MLA
-q/kv down and up projection, linear_proj and every fc1/fc2, routed and shared) and dora; full
+parameters (50 GB in bf16), and times frozen, floor and lora (LoRA r=16 on linear_qkv, i.e.
+each MLA q/kv down and up projection, linear_proj and every fc1/fc2, routed and shared); full
 fine-tuning of 25 B parameters (fp32 master weights and Adam: 16 bytes each) does not fit one
-GPU.
+GPU, and its DoRA is left out for the device call's time (--modes dora times it).
 Each mode: --warmup steps, then the best and the mean of --steps timed steps (CUDA-synchronised
 wall time), tokens/s, peak memory (torch.cuda.max_memory_allocated, reset per mode).
 
-Model FLOPs per token: megatron_lora.training.flops.lora_step_flops, the function `train` logs
-TFLOP/s with (docs/training.md, "Model TFLOP/s and MFU"), so this check and a training log agree:
-full 6 N + attention; lora, dora and prefix 4 N + attention + their adapters' own FLOPs (frozen
-weights get no weight gradient); frozen 4 N + attention. N = the base linears a token visits
-(attention linears, router, top-k experts, output layer), attention = 6 s d_attn per layer
-(causal half). MFU = model TFLOP/s / the device's dense bf16 peak (the table in
-training/flops.py; --peak-tflops overrides it; none on CPU).
+Model FLOPs per token: what each mode runs (modes.py flops_per_token, from the parts of
+training/flops.py's lora_step_flops, what `train` logs): frozen 2 N + A + 2 h V (forward and the
+output layer's input gradient), floor 4 N + 3 A (forward and input gradients), lora, dora, prefix
+and qlora the floor + their adapters' forward, input and weight gradients (train's count),
+full 6 N + 3 A; N = the base linears' MACs a token visits (attention linears, router, top-k
+experts, output layer), A = the attention's forward (2 s d_attn per layer, causal half). MFU =
+model TFLOP/s / the device's dense bf16 peak (the table in training/flops.py; --peak-tflops
+overrides it; none on CPU).
 
-Then, in the same run, the peer users would pick instead: Hugging Face transformers + PEFT at the
-same shapes (benchmarks/gpu/peer.py: frozen, PEFT LoRA r=16 on q/k/v/o plus `target_parameters`
-on the fused expert tensors, full; --no-peer skips it; DeepSeek-V3 has none).
+In the same run, after frozen, floor, lora and full and before the other modes, the peer users
+would pick instead: Hugging Face transformers + PEFT at the same shapes (benchmarks/gpu/peer.py:
+frozen, floor, PEFT LoRA r=16 on q/k/v/o plus `target_parameters` on the fused expert tensors,
+full; --no-peer skips it; DeepSeek-V3 has none). --time-budget S skips each mode (ours or the
+peer's) that would end after S seconds by the longest mode so far, so that a device call's time
+limit still sees the JSON line (`skipped` names them).
 
-Prints a table, then one JSON line: per mode tokens_per_s, ms_per_step, flops_per_token,
-model_tflops, mfu (null without a peak), peak_memory_bytes, trainable_parameters and parameters
-(the elements of model.parameters()) (qlora also nf4_linears and
-nf4_bytes_per_parameter, the bytes its NF4 linears hold per parameter they stand for);
-lora_over_frozen, lora_over_full, dora_over_lora, prefix_over_lora and qlora_over_lora (step-time
-ratios; null when a mode was not timed), grouped_over_sequential_lora and _frozen; peer (the
-peer's modes, or null) and lora_over_peft_lora, frozen_over_peft_frozen, full_over_peft_full; the
-shape; seconds. The qlora mode's FLOPs are lora's: dequantising the base is not model work. Designed to finish well inside 8
-minutes on an H200 (model builds dominate).
+Prints a table, the ratios, then one JSON line: per mode tokens_per_s, ms_per_step,
+flops_per_token, model_tflops, mfu (null without a peak), peak_memory_bytes, trainable_parameters
+and parameters (the elements of model.parameters()) (qlora also nf4_linears and
+nf4_bytes_per_parameter, the bytes its NF4 linears hold per parameter they stand for); step-time
+ratios (null when a mode was not timed): lora_over_floor, floor_over_frozen, lora_over_frozen,
+lora_over_full, dora_over_lora, prefix_over_lora, qlora_over_lora,
+grouped_over_sequential_lora and _frozen; peer (the peer's modes, or null) and
+lora_over_peft_lora, frozen_over_peft_frozen (our forward over transformers'),
+floor_over_peft_floor, full_over_peft_full, peft_lora_over_peft_floor; the shape; skipped;
+seconds. Designed to finish well inside 8 minutes on an H200 (model builds dominate).
 """
 
 from __future__ import annotations
@@ -73,6 +82,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from benchmarks.gpu.modes import flops_per_token  # noqa: E402
 
 SHAPE_8X7B = dict(vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=2,
                   num_attention_heads=32, num_query_groups=8, num_experts=8, moe_router_topk=2,
@@ -99,18 +110,21 @@ SHAPES = {"mixtral-8x7b": SHAPE_8X7B, "qwen3-30b-a3b": SHAPE_QWEN3_30B_A3B,
 SHAPE_TINY = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_layers=2,
                   num_attention_heads=4, num_query_groups=2, num_experts=4, moe_router_topk=2,
                   max_position_embeddings=64, rotary_base=1e6, norm_epsilon=1e-5)
-TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-# Which modes each shape times (mode, grouped experts); qlora is added by --base-quantization nf4.
-ALL_MODES = [("frozen", True), ("lora", True), ("full", True), ("dora", True), ("prefix", True),
-             ("lora", False), ("frozen", False)]
+# Which modes each shape times (mode, grouped experts), in order (the peer runs after the first
+# four); qlora is added by --base-quantization nf4.
+ALL_MODES = [("frozen", True), ("floor", True), ("lora", True), ("full", True), ("dora", True),
+             ("prefix", True), ("lora", False), ("frozen", False)]
+CORE = ("frozen", "floor", "lora", "full")
 # DeepSeek-V3's 25 B parameters leave no room for full fine-tuning (16 bytes each) on one GPU;
-# prefix tuning is not built for multi-latent attention.
-SHAPE_MODES = {"deepseek-v3": ("frozen", "lora", "dora")}
+# prefix tuning is not built for multi-latent attention; DoRA (every one of its 512 expert
+# linears' norms each forward) is left out of the device call's 100 s.
+SHAPE_MODES = {"deepseek-v3": ("frozen", "floor", "lora")}
 
 
-def shape_modes(name: str) -> list:
-    """(mode, grouped experts) that --shape `name` times, in order."""
-    modes = [m for m in ALL_MODES if m[0] in SHAPE_MODES.get(name, (m[0],))]
+def shape_modes(name: str, extra=()) -> list:
+    """(mode, grouped experts) that --shape `name` times, in order (`extra`: modes asked for by
+    --modes beyond the shape's own)."""
+    modes = [m for m in ALL_MODES if m[0] in SHAPE_MODES.get(name, (m[0],)) or m[0] in extra]
     if name == "deepseek-v3":  # 256 experts: grouped only (the sequential loop adds nothing new)
         modes = [m for m in modes if m[1]]
     return modes
@@ -120,35 +134,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def mode_config(mode: str):
-    """The LoraConfig a mode trains (None: full fine-tuning; frozen: lora's, adapters left out);
-    on multi-latent attention linear_qkv adapts each q/kv down and up projection."""
-    from megatron_lora.lora.model import LoraConfig
-
-    mode = mode.replace("_sequential", "")
-    if mode == "qlora":  # the LoRA of `lora`, on an NF4 base
-        mode = "lora"
-    if mode == "full":
-        return None
-    if mode == "prefix":
-        return LoraConfig(num_virtual_tokens=20, target_modules=())
-    return LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, use_dora=mode == "dora")
-
-
-def flops_per_token(shape: dict, seq: int, mode: str) -> float:
-    """Model FLOPs per token of one step of `mode` on one [1, seq] row: training/flops.py's
-    lora_step_flops, what `train` logs."""
-    from dataclasses import replace
-
-    from megatron_lora.models.gpt import ModelShape
-    from megatron_lora.training.flops import lora_step_flops
-
-    count = lora_step_flops(ModelShape(**shape), mode_config(mode), seq, seq, micro_batches=1)
-    if mode.startswith("frozen"):  # the base of `lora` without its adapters
-        count = replace(count, adapters=0.0, per_forward=0.0)
-    return count.per_token
 
 
 def build(shape: dict, grouped: bool, dtype, device):
@@ -172,7 +157,7 @@ def build(shape: dict, grouped: bool, dtype, device):
 def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict:
     import torch
 
-    from megatron_lora.lora.model import apply_lora
+    from benchmarks.gpu.modes import prepare
     from megatron_lora.training.optimizer import OptimConfig, wrap_for_training
     from megatron_lora.training.step import forward_backward
 
@@ -192,11 +177,7 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
         if cuda:  # the step's peak, not the bf16 model's before quantisation
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    if mode in ("lora", "dora", "prefix", "qlora"):
-        apply_lora(model, mode_config(mode), verbose=False)
-    elif mode == "frozen":
-        for name, p in model.named_parameters():
-            p.requires_grad = name.startswith("decoder.final_layernorm")
+    prepare(model, mode)
     wrapped, optimizer, _ = wrap_for_training(
         [model], OptimConfig(lr=1e-5, train_iters=1000, lr_decay_style="constant"))
     gen = torch.Generator().manual_seed(0)
@@ -234,6 +215,42 @@ def run_mode(mode: str, grouped: bool, shape: dict, args, dtype, device) -> dict
     return result
 
 
+PEER_MODES = ("frozen", "floor", "lora", "full")
+# Step-time ratios the JSON line carries (a_over_b), null where a mode was not timed.
+RATIOS = [("lora", "floor"), ("floor", "frozen"), ("lora", "frozen"), ("lora", "full"),
+          ("dora", "lora"), ("prefix", "lora"), ("qlora", "lora")]
+PEER_RATIOS = [("lora", "peft_lora"), ("frozen", "peft_frozen"), ("floor", "peft_floor"),
+               ("full", "peft_full"), ("peft_lora", "peft_floor")]
+
+
+def _time_peer(args, shape, device, modes, fits, longest):
+    """transformers + PEFT (peer.py) in `modes`, each if it `fits`: {mode: timing}, or None
+    when the shape has no peer."""
+    import torch
+
+    from benchmarks.gpu.peer import time_peer
+
+    peer = {}
+    for mode in modes:
+        if not fits(f"peft_{mode}"):
+            continue
+        begun = time.time()
+        got = time_peer(args.shape, shape, seq=args.seq, steps=args.steps, warmup=args.warmup,
+                        device=device, dtype=torch.bfloat16, modes=[mode])
+        longest[0] = max(longest[0], time.time() - begun)
+        if got is None:
+            return None
+        if "error" in got:  # transformers missing
+            return got
+        peer.update(got)
+        r = got[mode]
+        if "ms_per_step" in r:
+            mem = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f}"
+            print(f"{'peft_' + mode:18s} {r['ms_per_step']:9.1f} ms {r['tokens_per_s']:10.0f} "
+                  f"tok/s   (transformers + PEFT)  peak {mem} GiB", flush=True)
+    return peer
+
+
 def main(argv=None) -> int:
     import warnings
 
@@ -252,6 +269,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="skip timing Hugging Face transformers + PEFT at the same shapes "
                              "(benchmarks/gpu/peer.py)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="skip modes that would end after this many seconds (the longest "
+                             "mode so far as the estimate); the JSON line names them")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="one device's peak for MFU (default: the device's dense bf16 peak "
                              "from training/flops.py; none on CPU)")
@@ -300,7 +320,7 @@ def main(argv=None) -> int:
         from megatron_lora.training.flops import bf16_peak_tflops
 
         args.peak_tflops = bf16_peak_tflops(torch.cuda.get_device_name())
-    modes = shape_modes(args.shape)
+    modes = shape_modes(args.shape, extra=args.modes or ())
     if args.base_quantization == "nf4":
         modes.append(("qlora", True))
     if args.modes:
@@ -310,31 +330,36 @@ def main(argv=None) -> int:
             raise SystemExit(f"benchmarks/gpu/check.py: --modes {' '.join(unknown)}: not modes of "
                              f"this run (choose from {', '.join(sorted(known))})")
         modes = [(m, g) for m, g in modes if (m if g else f"{m}_sequential") in args.modes]
-    results = {}
-    for mode, grouped in modes:
+    results, peer, skipped, longest = {}, None, [], [0.0]
+
+    def fits(name: str) -> bool:
+        """Whether `name` may start: it would end inside --time-budget by the longest so far."""
+        if args.time_budget is None or time.time() - started + longest[0] <= args.time_budget:
+            return True
+        skipped.append(name)
+        print(f"{name:18s} skipped: {time.time() - started:.0f} s gone, the longest mode took "
+              f"{longest[0]:.0f} s, --time-budget {args.time_budget:.0f} s", flush=True)
+        return False
+
+    core = [m for m in modes if m[1] and m[0] in CORE]
+    for item in core + ["peer"] + [m for m in modes if m not in core]:
+        if item == "peer":
+            peer = _time_peer(args, shape, device, [m for m in PEER_MODES if m in results],
+                              fits, longest) if args.peer else None
+            continue
+        mode, grouped = item
         key = mode if grouped else f"{mode}_sequential"
-        results[key] = run_mode(mode, grouped, shape, args, torch.bfloat16, device)
-        r = results[key]
+        if not fits(key):
+            continue
+        begun = time.time()
+        results[key] = r = run_mode(mode, grouped, shape, args, torch.bfloat16, device)
+        longest[0] = max(longest[0], time.time() - begun)
         mem = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f}"
         mfu = "  -   " if r["mfu"] is None else f"{r['mfu'] * 100:5.1f}%"
         print(f"{key:18s} {r['ms_per_step']:9.1f} ms {r['tokens_per_s']:10.0f} tok/s "
               f"{r['model_tflops']:8.1f} TFLOP/s  MFU {mfu}  peak {mem} GiB",
               flush=True)
     runtime.shutdown()
-    peer = None
-    if args.peer:
-        from benchmarks.gpu.peer import time_peer
-
-        peer = time_peer(args.shape, shape, seq=args.seq, steps=args.steps, warmup=args.warmup,
-                         device=device, dtype=torch.bfloat16,
-                         modes=[m for m in ("frozen", "lora", "full") if m in results])
-        for mode, r in (peer or {}).items():
-            if isinstance(r, dict) and "ms_per_step" in r:
-                mem = ("-" if r["peak_memory_bytes"] is None else
-                       f"{r['peak_memory_bytes'] / 2**30:.1f}")
-                print(f"{'peft_' + mode:18s} {r['ms_per_step']:9.1f} ms "
-                      f"{r['tokens_per_s']:10.0f} tok/s   (transformers + PEFT)  peak {mem} GiB",
-                      flush=True)
     ms = {k: v["ms_per_step"] for k, v in results.items()}
     if isinstance(peer, dict):
         ms.update({f"peft_{k}": v["ms_per_step"] for k, v in peer.items()
@@ -350,23 +375,22 @@ def main(argv=None) -> int:
         "shape": dict(shape, seq_length=args.seq, dtype="bf16", micro_batch_size=1),
         "modes": results,
         "base_quantization": args.base_quantization,
-        "lora_over_frozen": ratio("lora", "frozen"),
-        "lora_over_full": ratio("lora", "full"),
-        "dora_over_lora": ratio("dora", "lora"),
-        "prefix_over_lora": ratio("prefix", "lora"),
-        "qlora_over_lora": ratio("qlora", "lora"),
+        **{f"{a}_over_{b}": ratio(a, b) for a, b in RATIOS},
         "grouped_over_sequential_lora": ratio("lora", "lora_sequential"),
         "grouped_over_sequential_frozen": ratio("frozen", "frozen_sequential"),
         "peer": peer,
-        "lora_over_peft_lora": ratio("lora", "peft_lora"),
-        "frozen_over_peft_frozen": ratio("frozen", "peft_frozen"),
-        "full_over_peft_full": ratio("full", "peft_full"),
-        "flop_formula": "megatron_lora.training.flops.lora_step_flops: full 6N + attention, "
-                        "lora/dora/prefix 4N + attention + adapters, frozen 4N + attention; "
-                        "attention = 6*L*s*d_attn (causal half; MLA: 3*L*s*n*(qk + v))",
+        **{f"{a}_over_{b}": ratio(a, b) for a, b in PEER_RATIOS},
+        "flop_formula": "benchmarks/gpu/modes.py flops_per_token: frozen 2N + A + 2hV, floor "
+                        "4N + 3A, lora/dora/prefix/qlora 4N + 3A + adapters "
+                        "(training.flops.lora_step_flops), full 6N + 3A; A = attention forward "
+                        "= 2*L*s*d_attn (causal half; MLA: L*s*n*(qk + v))",
         "peak_tflops": args.peak_tflops,
+        "skipped": skipped,
         "seconds": round(time.time() - started, 1),
     }
+    print("  ".join(f"{k} {v:.3f}" for k, v in summary.items()
+                    if k.endswith(tuple(f"_over_{b}" for _, b in RATIOS + PEER_RATIOS))
+                    and isinstance(v, float)), flush=True)
     print(json.dumps(summary))
     return 0
 

@@ -7,6 +7,8 @@ Builds transformers' own model class for the shape (MixtralForCausalLM, Qwen3Moe
 with check.py's layer count and sizes, on the device, in bf16, with SDPA attention, and times
 one [1, seq] row per step as check.py times ours:
     frozen  only the final norm trains (backward never enters the decoder layers)
+    floor   frozen, with the embedding's output requiring grad: backward runs through every
+            decoder layer, input gradients only (check.py's floor)
     lora    PEFT LoRA r=16, alpha 32 on q_proj/k_proj/v_proj/o_proj, and PEFT's
             `target_parameters` on the fused expert tensors (mlp.experts.gate_up_proj,
             mlp.experts.down_proj): the same adapters as ours on linear_qkv/linear_proj/fc1/fc2
@@ -23,7 +25,7 @@ import gc
 import time
 from typing import Dict, Optional
 
-PEER_MODES = ("frozen", "lora", "full")
+PEER_MODES = ("frozen", "floor", "lora", "full")
 
 
 def hf_model(name: str, shape: dict):
@@ -73,9 +75,12 @@ def _time_mode(cls, config, mode: str, seq: int, steps: int, warmup: int, device
         model = cls(config).to(dtype)
     if mode == "lora":
         model = _peft_lora(model)
-    elif mode == "frozen":
+    elif mode in ("frozen", "floor"):
         for name, p in model.named_parameters():
             p.requires_grad = name == "model.norm.weight"
+        if mode == "floor":  # the decoder's input requires grad: backward enters every layer
+            model.get_input_embeddings().register_forward_hook(
+                lambda module, inputs, out: out.detach().requires_grad_(True))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=cuda, foreach=not cuda or None)
     gen = torch.Generator().manual_seed(0)

@@ -1,18 +1,21 @@
 """Run `megatron-lora` commands under testing/device_check.py's check and write what it saw.
 
-    python -m megatron_lora.cli.device_check REPORT.json [--setup MOD:FN] -- CMD ... \
-        [--then CMD ...]
+    python -m megatron_lora.cli.device_check REPORT.json [--setup MOD:FN] [--count-ops] \
+        -- CMD ... [--then CMD ...]
 
 runs the commands (or a script: CMD = path/to/script.py ARGS, run as __main__) one after the
 other in this process under one DeviceCheck, and writes REPORT.json: {"errors": [what a GPU would
 have refused], "reads": [every host read of a device value: site, method, step, command, setup],
 "steps", "commands", "exit_codes"}. Exit 0 when every command exited 0 and nothing was refused.
-`--setup MOD:FN` calls FN first (a test puts a bug back with it). Under torchrun each rank does
+`--setup MOD:FN` calls FN first (a test puts a bug back with it). `--count-ops` also counts the
+kernel-bearing ops of each training step and each command's trainable tensors
+(testing/op_census.py): REPORT.json gains "ops" and "trainable". Under torchrun each rank does
 the same (one command per launch) and writes REPORT.json.rankN.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import List, Optional
@@ -43,6 +46,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("report")
     p.add_argument("--setup", action="append", default=[], metavar="MOD:FN",
                    help="call this before the commands (a test's injected change)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count each training step's kernel-bearing ops and the trainable "
+                        "tensors (testing/op_census.py)")
     opts = p.parse_args(argv[:cut])
     commands, current = [], []
     for word in argv[cut + 1:]:
@@ -56,9 +62,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_lora import cli
 
     check = DeviceCheck()
+    census = None
     codes = []
-    with check:
+    with check, contextlib.ExitStack() as stack:
         count_steps(check)
+        if opts.count_ops:
+            from megatron_lora.testing.op_census import OpCensus
+
+            census = stack.enter_context(OpCensus(check))
         for spec in opts.setup:
             module, fn = spec.split(":")
             getattr(importlib.import_module(module), fn)()
@@ -88,7 +99,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: a report per rank
         report = f"{report}.rank{os.environ.get('RANK', '0')}"
     with open(report, "w") as f:
-        json.dump(dict(check.report(), commands=commands, exit_codes=codes), f, indent=1)
+        json.dump(dict(check.report(), commands=commands, exit_codes=codes,
+                       **(census.report() if census is not None else {})), f, indent=1)
     return 0 if not check.errors and not any(codes) else 1
 
 

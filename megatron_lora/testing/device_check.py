@@ -23,7 +23,7 @@ step pass every CPU test. While a `DeviceCheck` is active:
 - a torch factory called from package code (megatron_lora/) without a `device` raises: the
   package says where each tensor it makes lives.
 - every read of a device tensor's value on the host (`item`, `tolist`, `float`, `int`, `bool`,
-  `numpy`, a copy to the host, each device tensor in a list given to `torch.tensor`: each a
+  `numpy`, a copy to the host, each device element of a list given to `torch.tensor`: each a
   stream synchronisation on a GPU) is recorded with its call site and the training step it
   belongs to (`steps`, counted by calls of the training step).
 
@@ -58,8 +58,6 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empt
               torch.arange, torch.range, torch.rand, torch.randn, torch.randint, torch.randperm,
               torch.eye, torch.linspace, torch.logspace, torch.empty_strided}
 _ALWAYS_HOST = {torch.from_numpy, torch.frombuffer}
-# Factories that read their data's tensors element by element (a list of 0-dim tensors).
-_FROM_DATA = {torch.tensor, torch.as_tensor}
 _LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
          torch.randn_like, torch.randint_like}
 _NEW = {torch.Tensor.new_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones,
@@ -124,12 +122,13 @@ def _accessor() -> str:
     return "" if frame is None else frame.f_code.co_filename
 
 
-def _tensors(obj, out: list, depth: int = 0) -> list:
+def _tensors(obj, out: list, depth: int = 0, lists: int = 2) -> list:
+    """The tensors in `obj`, looking into `lists` levels of lists and tuples, one of dicts."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-    elif isinstance(obj, (list, tuple)) and depth < 2:
+    elif isinstance(obj, (list, tuple)) and depth < lists:
         for item in obj:
-            _tensors(item, out, depth + 1)
+            _tensors(item, out, depth + 1, lists)
     elif isinstance(obj, dict) and depth < 1:
         for item in obj.values():
             _tensors(item, out, depth + 1)
@@ -245,17 +244,17 @@ class DeviceCheck(TorchFunctionMode):
         return result
 
     def _factory(self, func, args, kwargs):
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)):
+            # A list of device scalars (megatron's grad-norm fallback without apex:
+            # torch.tensor([torch.norm(g) for g in grads])) is read element by element, one
+            # synchronisation each on a GPU.
+            self.reads += [self._read(func) for t in _tensors(args[0], [], lists=64)
+                           if self.is_device(t)]
         if func not in _ALWAYS_HOST and "device" not in kwargs:
             site = _caller()
             if site.startswith(_PACKAGE) and not site.startswith(os.path.abspath(__file__)):
                 self._fail(f"torch.{func.__name__} without a device in package code: say "
                            f"device=runtime.device() for the rank's device, 'cpu' for host memory")
-        if func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor):
-            # torch.tensor([t0, t1, ...]) of device scalars copies each to the host (one
-            # synchronisation apiece on a GPU), wherever the result goes.
-            for t in _tensors(args[0], []):
-                if self.is_device(t):
-                    self.reads.append(self._read(func))
         result = func(*args, **kwargs)
         if func not in _ALWAYS_HOST and _is_rank_device(kwargs.get("device")):
             self._mark_device(result)

@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_gpu_check_smoke_on_cpu():
-    from benchmarks.gpu.check import flops_per_token
+    from benchmarks.gpu.modes import flops_per_token
 
     out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
                           "--no-peer"],
@@ -24,8 +24,9 @@ def test_gpu_check_smoke_on_cpu():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     modes = result["modes"]
-    assert set(modes) == {"frozen", "lora", "full", "dora", "prefix", "lora_sequential",
+    assert set(modes) == {"frozen", "floor", "lora", "full", "dora", "prefix", "lora_sequential",
                           "frozen_sequential"}
+    assert result["skipped"] == []
     for name, mode in modes.items():
         assert mode["ms_per_step"] > 0 and mode["tokens_per_s"] > 0, name
         assert mode["mfu"] is None, name  # CPU: no peak, no MFU
@@ -34,8 +35,8 @@ def test_gpu_check_smoke_on_cpu():
         assert mode["model_tflops"] == pytest.approx(
             mode["tokens_per_s"] * mode["flops_per_token"] / 1e12, rel=1e-3), name
     trainable = {name: mode["trainable_parameters"] for name, mode in modes.items()}
-    # frozen trains only the final norm; LoRA some; full everything.
-    assert trainable["frozen"] == result["shape"]["hidden_size"]
+    # frozen and floor train only the final norm; LoRA some; full everything.
+    assert trainable["frozen"] == trainable["floor"] == result["shape"]["hidden_size"]
     assert trainable["frozen"] < trainable["lora"] < trainable["full"]
     assert trainable["lora"] == trainable["lora_sequential"]
     assert trainable["frozen"] < trainable["prefix"] < trainable["full"]
@@ -44,12 +45,16 @@ def test_gpu_check_smoke_on_cpu():
     assert result["dora_over_lora"] == pytest.approx(ms["dora"] / ms["lora"], rel=1e-3)
     assert result["prefix_over_lora"] == pytest.approx(ms["prefix"] / ms["lora"], rel=1e-3)
     assert result["lora_over_frozen"] == pytest.approx(ms["lora"] / ms["frozen"], rel=1e-3)
+    assert result["lora_over_floor"] == pytest.approx(ms["lora"] / ms["floor"], rel=1e-3)
+    assert result["floor_over_frozen"] == pytest.approx(ms["floor"] / ms["frozen"], rel=1e-3)
     assert result["lora_over_full"] == pytest.approx(ms["lora"] / ms["full"], rel=1e-3)
     assert result["grouped_over_sequential_lora"] == pytest.approx(
         ms["lora"] / ms["lora_sequential"], rel=1e-3)
     flops = {name: mode["flops_per_token"] for name, mode in modes.items()}
-    assert flops["frozen"] < flops["lora"] < flops["dora"] and flops["lora"] < flops["full"]
-    assert flops["frozen"] < flops["prefix"]
+    assert flops["frozen"] < flops["floor"] < flops["lora"] < flops["dora"]
+    assert flops["lora"] < flops["full"] and flops["floor"] < flops["prefix"]
+    assert flops["frozen_sequential"] == flops["frozen"]
+    assert flops["lora_sequential"] == flops["lora"]
 
 
 def _run_shape(result):
@@ -59,10 +64,13 @@ def _run_shape(result):
 
 
 def test_gpu_check_counts_with_the_function_train_logs_with():
-    """At 8x7B layer shapes (2 layers): the check's figure is lora_step_flops's, which is
-    4 N + attention + 6 x the adapter parameters a token visits for LoRA, 6 N + attention for
-    full fine-tuning, N counting the router and only the top-2 experts."""
-    from benchmarks.gpu.check import SHAPE_8X7B, TARGETS, flops_per_token
+    """At 8x7B layer shapes (2 layers): the check's LoRA figure is lora_step_flops's, which is
+    4 N + attention + 6 x the adapter parameters a token visits, 6 N + attention for full
+    fine-tuning, N counting the router and only the top-2 experts; floor is LoRA's without the
+    adapters, frozen a forward (a third of the attention) plus the output layer's input
+    gradient."""
+    from benchmarks.gpu.check import SHAPE_8X7B
+    from benchmarks.gpu.modes import TARGETS, flops_per_token
     from megatron_lora.lora.model import LoraConfig
     from megatron_lora.models.gpt import ModelShape
     from megatron_lora.training.flops import lora_step_flops
@@ -76,7 +84,8 @@ def test_gpu_check_counts_with_the_function_train_logs_with():
     adapters = 2 * 16 * ((h + h + 2 * kv) + (h + h) + 2 * ((h + 2 * f) + (f + h)))
     assert flops_per_token(SHAPE_8X7B, 4096, "full") == 6 * n + attention
     assert flops_per_token(SHAPE_8X7B, 4096, "lora") == 4 * n + attention + 6 * adapters
-    assert flops_per_token(SHAPE_8X7B, 4096, "frozen") == 4 * n + attention
+    assert flops_per_token(SHAPE_8X7B, 4096, "floor") == 4 * n + attention
+    assert flops_per_token(SHAPE_8X7B, 4096, "frozen") == 2 * n + attention / 3 + 2 * h * v
 
 
 def test_gpu_check_qwen3_shape_smoke_on_cpu(checked_run):
@@ -84,14 +93,15 @@ def test_gpu_check_qwen3_shape_smoke_on_cpu(checked_run):
     of 8 experts) times every mode, the sequential-expert pair included."""
     result = checked_run("qwen3-30b-a3b")
     assert result["shape_name"] == "qwen3-30b-a3b"
-    assert set(result["modes"]) == {"frozen", "lora", "full", "dora", "prefix",
+    assert set(result["modes"]) == {"frozen", "floor", "lora", "full", "dora", "prefix",
                                     "lora_sequential", "frozen_sequential"}
     assert result["dora_over_lora"] > 0 and result["prefix_over_lora"] > 0
     shape = result["shape"]
     assert shape["kv_channels"] * shape["num_attention_heads"] != shape["hidden_size"]
     assert shape["qk_layernorm"] and shape["num_experts"] == 8
     trainable = {name: mode["trainable_parameters"] for name, mode in result["modes"].items()}
-    assert trainable["frozen"] < trainable["lora"] == trainable["lora_sequential"] < trainable["full"]
+    assert trainable["frozen"] < trainable["lora"] == trainable["lora_sequential"] < \
+        trainable["full"]
 
 
 def test_qwen3_30b_a3b_shape_is_its_config():
@@ -118,7 +128,8 @@ def test_gpu_check_nf4_mode_smoke_on_cpu():
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "qlora" in out.stdout.splitlines()[-2], out.stdout[-2000:]  # its table row
+    assert any(line.startswith("qlora ") for line in out.stdout.splitlines()), \
+        out.stdout[-2000:]  # its table row
     result = json.loads(out.stdout.strip().splitlines()[-1])
     modes = result["modes"]
     assert result["base_quantization"] == "nf4" and set(modes) == {"lora", "qlora"}
@@ -139,14 +150,14 @@ def test_gpu_check_nf4_mode_smoke_on_cpu():
 def test_gpu_check_deepseek_v3_shape_smoke_on_cpu(checked_run):
     """--shape deepseek-v3 at tiny sizes (multi-latent attention with q_lora_rank, 16 experts
     top-4 in 4 groups of which 2 are kept, sigmoid scores with the expert bias, a shared expert,
-    YaRN) times frozen, lora and dora. The model built is MLA's and the LoRA is on each
+    YaRN) times frozen, floor and lora. The model built is MLA's and the LoRA is on each
     q/kv projection (linear_qkv), linear_proj and every routed and shared fc1/fc2: their
     parameters counted by hand."""
-    from benchmarks.gpu.check import flops_per_token
+    from benchmarks.gpu.modes import flops_per_token
 
     result = checked_run("deepseek-v3")
     assert result["shape_name"] == "deepseek-v3"
-    assert set(result["modes"]) == {"frozen", "lora", "dora"}
+    assert set(result["modes"]) == {"frozen", "floor", "lora"}
     assert result["lora_over_full"] is None and result["lora_over_frozen"] > 0
     frozen, lora = result["modes"]["frozen"], result["modes"]["lora"]
     h, v, f, experts, layers, r = 64, 256, 96, 16, 2, 16  # the shared expert's ffn is f too
@@ -159,9 +170,9 @@ def test_gpu_check_deepseek_v3_shape_smoke_on_cpu(checked_run):
     qkv = (h + 24) + (24 + 48) + (h + 20) + (16 + 72)  # q down, q up, kv down, kv up
     assert lora["trainable_parameters"] == layers * r * (
         qkv + (40 + h) + (experts + 1) * ((h + 2 * f) + (f + h)))
-    for mode in (frozen, lora):
-        assert mode["flops_per_token"] == flops_per_token(_run_shape(result), 64, "lora"
-                                                          if mode is lora else "frozen")
+    for name in ("frozen", "floor", "lora"):
+        assert result["modes"][name]["flops_per_token"] == flops_per_token(
+            _run_shape(result), 64, name)
 
 
 def test_deepseek_v3_shape_is_its_config():
@@ -249,14 +260,32 @@ def test_gpu_check_runs_every_mode_as_on_a_gpu(checked_run, shape):
     assert set(result["modes"]) == {m if g else f"{m}_sequential" for m, g in shape_modes(shape)}
     if shape == "deepseek-v3":
         assert result["peer"] is None and result["lora_over_peft_lora"] is None
-    else:  # the peer timed its three modes, ratios from the same run
-        assert set(result["peer"]) == {"frozen", "lora", "full"}
-        assert result["lora_over_peft_lora"] == pytest.approx(
-            result["modes"]["lora"]["ms_per_step"] / result["peer"]["lora"]["ms_per_step"],
-            rel=1e-3)
+    else:  # the peer timed its four modes, ratios from the same run
+        assert set(result["peer"]) == {"frozen", "floor", "lora", "full"}
+        ours, peer = result["modes"], result["peer"]
+        for a, b in (("lora", "lora"), ("frozen", "frozen"), ("floor", "floor"),
+                     ("full", "full")):
+            assert result[f"{a}_over_peft_{b}"] == pytest.approx(
+                ours[a]["ms_per_step"] / peer[b]["ms_per_step"], rel=1e-3), a
+        assert result["peft_lora_over_peft_floor"] == pytest.approx(
+            peer["lora"]["ms_per_step"] / peer["floor"]["ms_per_step"], rel=1e-3)
+        assert peer["floor"]["trainable_parameters"] == peer["frozen"]["trainable_parameters"]
         # PEFT's adapters are ours (r=16 on every expert's gate_up / down and on attention),
         # except that q, k and v have an A each where our linear_qkv has one: 2 r h more a layer.
         size = result["shape"]
         assert result["peer"]["lora"]["trainable_parameters"] == \
             result["modes"]["lora"]["trainable_parameters"] + \
             2 * 16 * size["hidden_size"] * size["num_layers"]
+
+
+def test_gpu_check_time_budget_skips_and_still_reports():
+    """--time-budget: a mode that would end after the budget is skipped (0 s: every one), named
+    in `skipped`, and the JSON line still comes (a device call's time limit sees it)."""
+    out = subprocess.run([sys.executable, "benchmarks/gpu/check.py", "--tiny", "--steps", "1",
+                          "--modes", "frozen", "floor", "--time-budget", "0", "--no-peer"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["modes"] == {} and result["skipped"] == ["frozen", "floor"]
+    assert result["lora_over_floor"] is None

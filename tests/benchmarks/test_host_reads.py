@@ -29,7 +29,10 @@ def test_host_reads_benchmark_output_is_well_formed():
         assert r["micro_batches"] == 1
         # megatron's token dispatcher copies its counts to the host once per MoE layer
         assert r["between_logs"].get("megatron", 0) >= LAYERS, r
-        assert r["at_log_line"].get("package") == 1, r  # the losses since the last log line
+        # the package: the gradient norm's one read a step, and at a log line the losses since
+        # the last one
+        assert r["between_logs"].get("package") == 1, r
+        assert r["at_log_line"].get("package") == 2, r
         assert r["trainable_per_moe_layer"] and len(r["trainable_per_moe_layer"]) == LAYERS
         assert sum(r["top_ops"].values()) <= r["kernel_ops"]
         if mode.startswith("attention"):  # linear_qkv, linear_proj: A and B each, per layer

@@ -34,6 +34,17 @@ VERSIONED = {
         "tests/convert/test_roundtrip.py",
     ],
     "static_kv_cache": ["tests/inference/test_generate.py"],
+    # the optimizer's gradients for the norm (renamed in 0.19) and 0.19's skip threshold: the
+    # foreach norm against megatron's own, and the fallback to megatron's step
+    "grads_for_norm": [
+        "tests/training/test_grad_norm.py::test_the_norm_and_clip_equal_megatrons",
+        "tests/training/test_optimizer.py::"
+        "test_what_the_foreach_step_does_not_do_falls_back_to_megatrons_step",
+    ],
+    "grad_norm_skip_threshold": [
+        "tests/training/test_optimizer.py::"
+        "test_what_the_foreach_step_does_not_do_falls_back_to_megatrons_step",
+    ],
     # the grad norm at expert-TP != TP (the three layouts that failed on 0.16.1 before the fix)
     "filter_expert_duplicates_over_expert_tp": [
         "tests/training/test_gradients.py::"

@@ -1,10 +1,11 @@
 """A LoRA-wrapped MoE layer (router LoRA + per-expert fc1/fc2 adapters, non-zero factors, aux
 loss on) equals a single-process reference built from the same global weights: output, aux loss,
 input gradient, router-LoRA gradients and every expert adapter's gradients (each rank checks the
-shards it holds of every global expert), fp32, atol 1e-5, at EP {1, 2, 4} x expert-TP {1, 2} x
-TP {1, 2} (SP when TP > 1) x dispatcher {allgather, alltoall}, through megatron DDP and
-finalize_model_grads. World size = max(TP, EP * ETP), so data parallelism (dense and expert) is
-exercised wherever the two differ. One body per world size (worlds are expensive to start).
+shards it holds of every global expert), fp32, each within the bound of _moe_support.py's
+docstring (compare.gradient_bound over chains of _moe_support.chain(dp) terms), at EP {1, 2, 4}
+x expert-TP {1, 2} x TP {1, 2} (SP when TP > 1) x dispatcher {allgather, alltoall}, through
+megatron DDP and finalize_model_grads. World size = max(TP, EP * ETP), so data parallelism
+(dense and expert) is exercised wherever the two differ. One body per world size (worlds are expensive to start).
 
 A representative subset (EP 1 / EP 2 / expert-TP 2, TP 2 with SP, both dispatchers) runs again
 with dropout 0.25 and rsLoRA on the router and every expert adapter: the reference builds every

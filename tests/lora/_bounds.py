@@ -4,7 +4,7 @@ _moe_support.py, _dora_support.py), and the record of how close each comparison 
 `judge(got, want, bound, what)` returns None when every element is within its bound, else a
 line naming the worst element, its index, both values and the bound (compare.describe); every
 comparison's worst |diff| / bound also goes to the file named by $MEGATRON_LORA_MARGINS (one
-line per comparison: "ratio what"), so a run can report its margins.
+line per comparison: "ratio largest-bound what"), so a run can report its margins.
 
 Where the bounds come from (u = 2**-24, fp32):
 - `shadow_bound(n, shadow)`: the reference and the layer compute each element as the same
@@ -63,4 +63,5 @@ def _log(what, got, want, bound) -> None:
     ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / b)
     with open(path, "a") as f:
         kind = re.sub(r"\.\d+\.", ".E.", what)  # one line per quantity, whichever expert
-        f.write(f"{float(ratio.max()) if ratio.numel() else 0.0:.6g} {kind}\n")
+        worst = float(ratio.max()) if ratio.numel() else 0.0
+        f.write(f"{worst:.6g} {float(b.max()) if b.numel() else 0.0:.3g} {kind}\n")

@@ -328,6 +328,8 @@ def run_moe_dora_case(layout, dispatcher: str, *, dropout: float = 0.0, rslora: 
     ar.requires_grad_(True)
     br.requires_grad_(True)
     xr = x_all.clone().requires_grad_(True)
+    for r in range(dp):  # the router is plain LoRA: the same routing check as the LoRA case
+        M.check_routing_margin(errors, weights, (ar, br), x_all[r], scale, drop)
     total, outs = 0.0, []
     for r in range(dp):
         y, loss = _moe_reference(weights, expert_ref, (ar, br), xr[r], g_all[r], scale, drop)

@@ -39,7 +39,7 @@ from megatron_lora.lora.factors import shard_like_base as _shard
 from megatron_lora.lora.dropout import keep_mask, keep_mask_at, sub_key
 from megatron_lora.lora.experts import wrap_experts
 from megatron_lora.lora.router import wrap_router
-from tests.lora._bounds import judge, moe_bound
+from tests.lora._bounds import judge, moe_bound, shadow_bound
 
 H, FFN, E, TOPK, SEQ, BATCH, RANK = 32, 48, 8, 2, 8, 2, 4
 AUX_COEFF = 0.1
@@ -162,6 +162,32 @@ def reference(weights, adapters_global, router_factors, x, grad_out, scale, drop
     return y, aux, (y * grad_out).sum() + aux
 
 
+def check_routing_margin(errors: Dict[str, str], weights, router_factors, x, scale,
+                         drop=None) -> None:
+    """errors["routing_margin"] = why, when a token's TOPK-th and next logit are closer than the
+    logits' rounding allows: there the layer and the reference may route it to different
+    experts, depending on summation order alone. A logit sums H + RANK products (and the LoRA
+    scale, dropout rescale and an add): any order is within gamma_(H+RANK+4) S of it, S from the
+    absolute values (tests/lora/_bounds.py), so a gap over the two logits' 2 gamma S bounds
+    makes top-k the same in every order. x: one replica's [s, b, h]; drop as in reference()."""
+    ar, br = (t.detach() for t in router_factors)
+    tokens = x.detach().reshape(-1, H)
+    p, rkey, _ = drop if drop is not None else (0.0, None, None)
+    rmask = keep_mask(rkey, p, 0, tokens.shape[0], 0, H).float() if drop else None
+    dropped = _drop(tokens, rmask, p)
+    logits = tokens @ weights["router"].t() + scale * (dropped @ ar.t()) @ br.t()
+    shadow = (tokens.abs() @ weights["router"].abs().t()
+              + scale * (dropped.abs() @ ar.abs().t()) @ br.abs().t())
+    bound = shadow_bound(H + RANK + 4, shadow).max(dim=1).values
+    top = logits.double().sort(dim=1, descending=True).values
+    ratio = (top[:, TOPK - 1] - top[:, TOPK]) / (2 * bound)
+    token = int(ratio.argmin())
+    if not float(ratio[token]) > 1:
+        errors["routing_margin"] = (
+            f"token {token}: top-{TOPK} boundary gap {float(ratio[token] * 2 * bound[token]):.3e}"
+            f" <= 2 x logit bound {float(bound[token]):.3e}: routing depends on summation order")
+
+
 def check(errors: Dict[str, str], name: str, got, want, n: int, kind: str = "moe") -> None:
     """errors[name] = why, when got is not within moe_bound(want, n) of want (the worst element,
     its index and the bound; tests/lora/_bounds.py)."""
@@ -256,6 +282,8 @@ def run_moe_case(layout, dispatcher: str, *, dense_expert_adapters: bool = False
     total.backward()
 
     errors: Dict[str, str] = {}
+    for r in range(dp):  # routing is order-independent (else the comparison below means nothing)
+        check_routing_margin(errors, weights, (ar, br), x_all[r], scale, drop)
     n = chain(dp)
     check(errors, "output", out, local(outs[dp_rank]), n)
     if with_aux:

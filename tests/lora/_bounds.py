@@ -14,9 +14,10 @@ Where the bounds come from (u = 2**-24, fp32):
   roundings along its longest chain (Higham, Accuracy and Stability of Numerical Algorithms,
   2nd ed., section 3.5: a matrix product chain's inner dimensions add up). S is what the same
   graph computes from the absolute values of its leaves (all ops are sums and products with
-  non-negative constants), so two orders differ by at most 2 gamma_n S, per element.
-- `compare.gradient_bound(ref, n)`: for graphs with non-linear steps (softmax, SiLU, top-k
-  weights, DoRA's row norms), where S cannot be read off an absolute-value graph: the
+  non-negative constants; DoRA's row norm is detached, a constant of the graph, whose own
+  rounding the chain's n covers), so two orders differ by at most 2 gamma_n S, per element.
+- `compare.gradient_bound(ref, n)`: for graphs with non-linear steps (the MoE layer's softmax,
+  SiLU and top-k weights), where S cannot be read off an absolute-value graph: the
   probabilistic bound lam sqrt(n) u (lam = 6) on a sum of n terms, taken twice, with the terms'
   absolute values adding up to at most 100 times the quantity's largest element.
 """

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron_lora.lora import AdapterConfig, LoraAdapter, draw_dropout_key, keep_mask
 from megatron_lora.lora.factors import shard_like_base as _shard
 from tests.lora import _support as S
+from tests.lora._bounds import judge, shadow_bound
 
 MAG_SEED = 21
 
@@ -38,15 +39,24 @@ def row_norm(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> tor
     return torch.linalg.norm(w.detach() + s * b.detach() @ a.detach(), dim=1)
 
 
-def _err(got, want):
-    if got is None or tuple(got.shape) != tuple(want.shape):
-        return float("inf")
-    return (got.detach().float() - want.detach().float()).abs().max().item()
+def norm_shadow(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """S of a row norm n = sqrt(sum_j v_j^2), v = W + s B A: each v_j is off by at most
+    gamma_(RANK+2) |v|_j, |v| = |W| + s |B| |A|, and the sum of squares by gamma_(k+2) sum |v|_j^2
+    in any order (k terms), so n**2 by at most gamma * N**2 (N = the row norm of |v|) and n by
+    that over 2n (the square root, to first order): S = N**2 / n."""
+    big = row_norm(w.abs(), a.abs(), b.abs(), s)
+    return big * big / row_norm(w, a, b, s)
+
+
+# Roundings along the longest chain of a dense DoRA quantity: the LoRA chain of _support.CHAIN
+# plus the row norm (IN + RANK), its square root, m / n, m / n - 1 and the merge's steps.
+CHAIN = S.CHAIN + S.IN + S.RANK + 8
 
 
 def run_dense_case(case: S.Case, tp: int, check_merge: bool = True,
-                   during=contextlib.nullcontext) -> Dict[str, float]:
-    """One dense DoRA case (the LoRA parity cases' layouts); {quantity: error} over S.ATOL.
+                   during=contextlib.nullcontext) -> Dict[str, str]:
+    """One dense DoRA case (the LoRA parity cases' layouts); {quantity: the worst element, its
+    index and its bound} of the quantities over their bounds (tests/lora/_bounds.py).
     during(): a context the forward and backward run in (tests switch a reduction off there)."""
     config, base, _ = S.build(case, tp)
     col = case.mode == "column"
@@ -63,7 +73,12 @@ def run_dense_case(case: S.Case, tp: int, check_merge: bool = True,
     a = adapter.lora_A.detach().clone() if col else S.gather(adapter.lora_A, 1)
     b = S.gather(adapter.lora_B, 0) if col else adapter.lora_B.detach().clone()
     n = row_norm(w, a, b, s)
-    errors = {"magnitude_init": _err(adapter.magnitude, S.shard(n, 0) if col else n)}
+    errors: Dict[str, str] = {}
+    shadow = norm_shadow(w, a, b, s)
+    why = judge(adapter.magnitude, S.shard(n, 0) if col else n,
+                shadow_bound(CHAIN, S.shard(shadow, 0) if col else shadow), "dora/magnitude_init")
+    if why:
+        errors["magnitude_init"] = why
     factor = mag_factor(S.OUT)
     with torch.no_grad():
         adapter.magnitude.mul_(S.shard(factor, 0) if col else factor)
@@ -97,50 +112,79 @@ def run_dense_case(case: S.Case, tp: int, check_merge: bool = True,
         S.finalize_tp_grads(adapter, config)
 
     # ---- reference on global tensors ----
-    wr = w.clone().requires_grad_(True)
-    ar, br = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
-    mr = m_global.clone().requires_grad_(True)
-    gb = None
-    if case.bias:
-        gb = (S.gather(inner.bias, 0) if col else inner.bias.detach().clone()).requires_grad_(True)
-    xr = x_global.clone().requires_grad_(True)
-    xd = xr
+    nrm = row_norm(w, a, b, s)  # detached, as in PEFT: a constant of the graph below
+    mask = None
     if case.dropout:
-        mask = keep_mask(key, case.dropout, 0, S.SEQ * S.BATCH, 0, S.IN).reshape(xr.shape)
-        xd = xr * mask / (1.0 - case.dropout)
-    ms = mr / row_norm(wr, ar, br, s)
-    y = xr @ wr.t()
-    added = gb if (case.bias and not case.skip_bias_add) else None
-    base_out = y if added is None else y + added
-    ref = base_out + (ms - 1) * (xd @ wr.t()) + ms * s * ((xd @ ar.t()) @ br.t())
-    ref_total = ref + gb if (case.bias and case.skip_bias_add and not case.gather_output) else ref
-    (ref_total * g_out).sum().backward()
+        mask = keep_mask(key, case.dropout, 0, S.SEQ * S.BATCH, 0, S.IN).reshape(x_global.shape)
+
+    def reference(wr, ar, br, mr, gb, xr, g_out, shadow=False):
+        """PEFT's formula; shadow: the absolute-value graph ((m/n - 1) as m/n + 1)."""
+        xd = xr if mask is None else xr * mask / (1.0 - case.dropout)
+        ms = mr / nrm
+        y = xr @ wr.t()
+        added = gb if (case.bias and not case.skip_bias_add) else None
+        base_out = y if added is None else y + added
+        ref = (base_out + (ms + 1 if shadow else ms - 1) * (xd @ wr.t())
+               + ms * s * ((xd @ ar.t()) @ br.t()))
+        ref_total = (ref + gb if (case.bias and case.skip_bias_add and not case.gather_output)
+                     else ref)
+        (ref_total * g_out).sum().backward()
+        merged = base_out + (ms + 1 if shadow else ms - 1) * y + ms * s * ((xr @ ar.t()) @ br.t())
+        return ref, merged.detach()
+
+    def leaves(sign):
+        gb = None
+        if case.bias:
+            gb = S.gather(inner.bias, 0) if col else inner.bias.detach().clone()
+        return [None if t is None else sign(t.detach().clone()).requires_grad_(True)
+                for t in (w, a, b, m_global, gb, x_global)]
+
+    wr, ar, br, mr, gb, xr = leaves(lambda t: t)
+    ref, ref_merged = reference(wr, ar, br, mr, gb, xr, g_out)
+    # The graph is sums and products with non-negative constants (the norm, s, 1 / (1 - p)): on
+    # the leaves' absolute values it gives each compared element's sum of |terms| (_bounds.py).
+    sw, sa, sb, sm, sgb, sx = leaves(torch.abs)
+    abs_ref, abs_merged = reference(sw, sa, sb, sm, sgb, sx, g_out.abs(), shadow=True)
 
     def grad(p):
         return S._grad(p)
 
-    errors.update({
-        "output": _err(out, S.local_output(case, ref)),
-        "grad_input": _err(x.grad, S.local_input(case, xr.grad)),
-        "grad_A": _err(grad(adapter.lora_A), ar.grad if col else S.shard(ar.grad, 1)),
-        "grad_B": _err(grad(adapter.lora_B), S.shard(br.grad, 0) if col else br.grad),
-        "grad_magnitude": _err(grad(adapter.magnitude), S.shard(mr.grad, 0) if col else mr.grad),
-    })
+    def check(name, got, want, shadow):
+        # The norm adds IN + RANK roundings (and a square root) to the LoRA chain; m / n, the
+        # m / n - 1 and the merge add a few.
+        why = judge(got, want, shadow_bound(CHAIN, shadow), f"dora/{name}")
+        if why:
+            errors[name] = why
+
+    local_out, local_in = S.local_output, S.local_input
+    check("output", out, local_out(case, ref), local_out(case, abs_ref))
+    check("grad_input", x.grad, local_in(case, xr.grad), local_in(case, sx.grad))
+    check("grad_A", grad(adapter.lora_A), ar.grad if col else S.shard(ar.grad, 1),
+          sa.grad if col else S.shard(sa.grad, 1))
+    check("grad_B", grad(adapter.lora_B), S.shard(br.grad, 0) if col else br.grad,
+          S.shard(sb.grad, 0) if col else sb.grad)
+    check("grad_magnitude", grad(adapter.magnitude), S.shard(mr.grad, 0) if col else mr.grad,
+          S.shard(sm.grad, 0) if col else sm.grad)
     # megatron-core's frozen-weight column linear adds a non-skipped bias inside its autograd
     # function and returns no gradient for it (a megatron limitation, see _support.run_case).
     frozen_column_bias = col and not case.skip_bias_add and not case.train_base_weight
     if case.bias and gb.grad is not None and not frozen_column_bias:
-        errors["grad_bias"] = _err(grad(inner.bias), S.shard(gb.grad, 0) if col else gb.grad)
+        check("grad_bias", grad(inner.bias), S.shard(gb.grad, 0) if col else gb.grad,
+              S.shard(sgb.grad, 0) if col else sgb.grad)
     if case.train_base_weight:
-        errors["grad_base_weight"] = _err(grad(inner.weight), S.shard(wr.grad, 0 if col else 1))
+        check("grad_base_weight", grad(inner.weight), S.shard(wr.grad, 0 if col else 1),
+              S.shard(sw.grad, 0 if col else 1))
     if check_merge and not case.ddp:
-        errors.update(_merge_errors(adapter, inner, case, x_global, ref_merged=(
-            base_out + (ms - 1) * y + ms * s * ((xr @ ar.t()) @ br.t())).detach()))
-    return {k: v for k, v in errors.items() if not v <= S.ATOL}
+        merged, unmerged, w0 = _merge_and_unmerge(adapter, inner, case, x_global)
+        check("merged_output", merged, local_out(case, ref_merged), local_out(case, abs_merged))
+        # W -> m/n (W + s B A) -> that / (m/n) - s B A: roundings of terms of |W| + s |B| |A|.
+        abs_delta = S.shard(w.abs() + s * b.abs() @ a.abs(), 0 if col else 1)
+        check("unmerged_weight", unmerged, w0, abs_delta)
+    return errors
 
 
-def _merge_errors(adapter, inner, case, x_global, ref_merged) -> Dict[str, float]:
-    """merge: the merged base alone gives the eval DoRA output; unmerge restores W."""
+def _merge_and_unmerge(adapter, inner, case, x_global):
+    """(eval output of the merged base alone, the weight after unmerge, the weight before)."""
     adapter.eval()
     x = S.local_input(case, x_global)
     w0 = inner.weight.detach().clone()
@@ -149,11 +193,10 @@ def _merge_errors(adapter, inner, case, x_global, ref_merged) -> Dict[str, float
         merged, _ = adapter(x)
         adapter.unmerge()
     adapter.train()
-    return {"merged_output": _err(merged, S.local_output(case, ref_merged)),
-            "unmerged_weight": _err(inner.weight, w0)}
+    return merged, inner.weight.detach().clone(), w0
 
 
-__all__ = ["dora_scale", "mag_factor", "row_norm", "run_dense_case"]
+__all__ = ["dora_scale", "mag_factor", "norm_shadow", "row_norm", "run_dense_case"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,9 +242,10 @@ def _moe_reference(weights, experts, router, x, grad_out, scale, drop):
 
 
 def run_moe_dora_case(layout, dispatcher: str, *, dropout: float = 0.0, rslora: bool = False,
-                      grouped: bool = False, during=contextlib.nullcontext) -> Dict[str, float]:
+                      grouped: bool = False, during=contextlib.nullcontext) -> Dict[str, str]:
     """The MoE parity case of _moe_support.run_moe_case with DoRA expert adapters; returns
-    {quantity: error} over the tolerance (output, input gradient, every expert's A, B, m)."""
+    {quantity: the worst element, its index and its bound} of those over their bounds (output,
+    input gradient, every expert's A, B, m)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
@@ -239,12 +283,19 @@ def run_moe_dora_case(layout, dispatcher: str, *, dropout: float = 0.0, rslora: 
     for ad in adapters:  # move every magnitude off its initial norm by the known factor
         fc1 = ad.global_name.endswith("linear_fc1")
         factor = mag_factor(2 * M.FFN if fc1 else M.H, seed=M.seed_for(ad.global_name))
-        want = row_norm(weights["fc1" if fc1 else "fc2"][ad.global_expert],
-                        *init_global_factors(dora_cfg, *((M.H, 2 * M.FFN) if fc1
-                                                         else (M.FFN, M.H)),
-                                             M.seed_for(ad.global_name)), scale)
-        want = _shard(want, 0, t, k, 2) if fc1 else want
-        errors[f"{ad.global_name}.magnitude_init"] = _err(ad.magnitude, want)
+        factors = init_global_factors(dora_cfg, *((M.H, 2 * M.FFN) if fc1 else (M.FFN, M.H)),
+                                      M.seed_for(ad.global_name))
+        w_e = weights["fc1" if fc1 else "fc2"][ad.global_expert]
+        want = row_norm(w_e, *factors, scale)
+        # The square root of a sum of H (fc1) or FFN (fc2) squares of elements of W + s B A
+        # (RANK + 1 terms each), see norm_shadow.
+        shadow = norm_shadow(w_e, *factors, scale)
+        if fc1:
+            want, shadow = _shard(want, 0, t, k, 2), _shard(shadow, 0, t, k, 2)
+        why = judge(ad.magnitude, want, shadow_bound(M.FFN + M.RANK + 4, shadow),
+                    f"dora-moe/{ad.global_name}.magnitude_init")
+        if why:
+            errors[f"{ad.global_name}.magnitude_init"] = why
         with torch.no_grad():
             ad.magnitude.mul_(_shard(factor, 0, t, k, 2) if fc1 else factor)
 
@@ -277,19 +328,24 @@ def run_moe_dora_case(layout, dispatcher: str, *, dropout: float = 0.0, rslora: 
     ar.requires_grad_(True)
     br.requires_grad_(True)
     xr = x_all.clone().requires_grad_(True)
+    for r in range(dp):  # the router is plain LoRA: the same routing check as the LoRA case
+        M.check_routing_margin(errors, weights, (ar, br), x_all[r], scale, drop)
     total, outs = 0.0, []
     for r in range(dp):
         y, loss = _moe_reference(weights, expert_ref, (ar, br), xr[r], g_all[r], scale, drop)
         outs.append(y)
         total = total + loss
     total.backward()
-    errors["output"] = _err(out, local(outs[dp_rank]))
-    errors["grad_input"] = _err(x.grad, local(xr.grad[dp_rank]))
-    errors["router.lora_B"] = _err(M._grad(router_ad.lora_B), br.grad / dp)
+    # Non-linear graph (softmax, SiLU, top-k weights): _moe_support's bounds, with the chain of
+    # each expert linear longer by its row norm (2 FFN or H squares of RANK + 1 terms each).
+    n = M.chain(dp) + 2 * M.FFN + M.RANK + 4
+    M.check(errors, "output", out, local(outs[dp_rank]), n, "dora-moe")
+    M.check(errors, "grad_input", x.grad, local(xr.grad[dp_rank]), n, "dora-moe")
+    M.check(errors, "router.lora_B", M._grad(router_ad.lora_B), br.grad / dp, n, "dora-moe")
     held = torch.tensor([len(adapters)])
     dist.all_reduce(held)
     if held.item() != 2 * M.E * dist.get_world_size() // layout.ep:
-        errors["checked_adapters"] = float("inf")
+        errors["checked_adapters"] = f"{held.item()} adapters in all"
     for ad in adapters:
         a1, b1, m1, a2, b2, m2 = expert_ref[ad.global_expert]
         if ad.global_name.endswith("linear_fc1"):
@@ -298,5 +354,5 @@ def run_moe_dora_case(layout, dispatcher: str, *, dropout: float = 0.0, rslora: 
             want = (_shard(a2.grad, 1, t, k), b2.grad, m2.grad)
         for name, param, w in zip(("lora_A", "lora_B", "magnitude"),
                                   ("lora_A", "lora_B", "lora_magnitude_vector"), want):
-            errors[f"{ad.global_name}.{name}"] = _err(ad.grad(param), w / dp)
-    return {k_: v for k_, v in errors.items() if not v <= M.ATOL}
+            M.check(errors, f"{ad.global_name}.{name}", ad.grad(param), w / dp, n, "dora-moe")
+    return errors

@@ -21,10 +21,15 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lora.lora import AdapterConfig, LoraAdapter, draw_dropout_key, keep_mask
+from tests.lora._bounds import judge, shadow_bound
 
 IN, OUT, RANK, SEQ, BATCH = 24, 16, 4, 8, 2
 ALPHA = 8.0
-ATOL = 1e-5
+# Roundings along the longest chain of any compared quantity: IN (x W) or IN + RANK + OUT (the
+# LoRA path and its backward), SEQ * BATCH (a weight gradient's sum over tokens), a few adds,
+# scales and the dropout rescale; the loss adds its sum over SEQ * BATCH * OUT products.
+CHAIN = SEQ * BATCH + IN + OUT + RANK + 4
+LOSS_CHAIN = CHAIN + SEQ * BATCH * OUT
 
 
 def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -232,7 +237,8 @@ def output_is_replicated(case: Case) -> bool:
 
 
 def run_case(case: Case, tp: int) -> Dict[str, object]:
-    """Run one case; returns {"failures": [...names...], "errors": {name: max abs error}}."""
+    """Run one case; returns {"failures": [...names...], "errors": {name: why it failed: the worst
+    element, its index and its bound}}."""
     config, base, adapter = build(case, tp)
     x_global, g_out, g_bias = global_batch()
     x = local_input(case, x_global).clone().requires_grad_(True)
@@ -281,45 +287,61 @@ def run_case(case: Case, tp: int) -> Dict[str, object]:
     if case.bias:
         gb = (gather(base.bias, 0) if col else base.bias.detach().clone()).requires_grad_(True)
     xr = x_global.clone().requires_grad_(True)
-    xd = xr
+    scale = lora_scale(ALPHA, RANK, case.rslora)
+
+    def reference(w, a, b, gb, xr, mask, g_out, g_bias):
+        xd = xr if mask is None else xr * mask / (1.0 - case.dropout)
+        y = xr @ w.t() + scale * ((xd @ a.t()) @ b.t())
+        ref_out = y + gb if (case.bias and not case.skip_bias_add) else y
+        ref_total = (ref_out + gb if (case.bias and case.skip_bias_add and not bias_separate)
+                     else ref_out)
+        ref_loss = (ref_total * g_out).sum()
+        if bias_separate:
+            ref_loss = ref_loss + (gb * g_bias).sum()
+        ref_loss.backward()
+        return ref_out, ref_loss
+
+    mask = None
     if case.dropout:
         # The global mask of the documented hash: tokens are the flattened [s, b] positions.
         mask = keep_mask(key, case.dropout, 0, SEQ * BATCH, 0, IN).reshape(SEQ, BATCH, IN)
-        xd = xr * mask / (1.0 - case.dropout)
-    scale = lora_scale(ALPHA, RANK, case.rslora)
-    y = xr @ w.t() + scale * ((xd @ a.t()) @ b.t())
-    ref_out = y + gb if (case.bias and not case.skip_bias_add) else y
-    ref_total = ref_out + gb if (case.bias and case.skip_bias_add and not bias_separate) else ref_out
-    ref_loss = (ref_total * g_out).sum()
-    if bias_separate:
-        ref_loss = ref_loss + (gb * g_bias).sum()
-    ref_loss.backward()
+    ref_out, ref_loss = reference(w, a, b, gb, xr, mask, g_out, g_bias)
+    # The same graph on the leaves' absolute values: every op is a sum or a product with a
+    # non-negative constant (scale, 1 / (1 - p), the 0/1 mask), so each of its values and
+    # gradients is the sum of the absolute values of the terms the compared one adds up.
+    leaves = [None if t is None else t.detach().abs().requires_grad_(True) for t in (w, a, b, gb)]
+    abs_x = xr.detach().abs().requires_grad_(True)
+    abs_out, abs_loss = reference(*leaves, abs_x, mask, g_out.abs(), g_bias.abs())
+    abs_w, abs_a, abs_b, abs_gb = leaves
 
-    checks = {
-        "output": (out, local_output(case, ref_out)),
-        "loss": (loss, ref_loss.detach()),
-        "grad_input": (x.grad, local_input(case, xr.grad)),
-        "grad_A": (_grad(adapter.lora_A), a.grad if col else shard(a.grad, 1)),
-        "grad_B": (_grad(adapter.lora_B), shard(b.grad, 0) if col else b.grad),
+    checks = {  # name: (layer's, reference's, the reference's absolute-value shadow)
+        "output": (out, local_output(case, ref_out), local_output(case, abs_out)),
+        "loss": (loss, ref_loss.detach(), abs_loss),
+        "grad_input": (x.grad, local_input(case, xr.grad), local_input(case, abs_x.grad)),
+        "grad_A": (_grad(adapter.lora_A), a.grad if col else shard(a.grad, 1),
+                   abs_a.grad if col else shard(abs_a.grad, 1)),
+        "grad_B": (_grad(adapter.lora_B), shard(b.grad, 0) if col else b.grad,
+                   shard(abs_b.grad, 0) if col else abs_b.grad),
     }
     if case.bias and (_grad(base.bias) is not None or case.skip_bias_add or not col
                       or case.train_base_weight):
         # megatron-core's frozen-weight linear (LinearWithFrozenWeight) adds a non-skipped column
         # bias inside its autograd function and returns no gradient for it: with a frozen base
         # weight that bias cannot train (a megatron limitation, not the adapter's).
-        checks["grad_bias"] = (_grad(base.bias), shard(gb.grad, 0) if col else gb.grad)
+        checks["grad_bias"] = (_grad(base.bias), shard(gb.grad, 0) if col else gb.grad,
+                               shard(abs_gb.grad, 0) if col else abs_gb.grad)
     if case.train_base_weight:
-        checks["grad_base_weight"] = (_grad(base.weight), shard(w.grad, 0 if col else 1))
+        checks["grad_base_weight"] = (_grad(base.weight), shard(w.grad, 0 if col else 1),
+                                      shard(abs_w.grad, 0 if col else 1))
     failures, errors = [], {}
-    for name, (got, want) in checks.items():
-        if got is None or got.shape != want.shape:
+    for name, (got, want, shadow) in checks.items():
+        # Within 2 gamma_n S per element (tests/lora/_bounds.py): n = CHAIN (LOSS_CHAIN for the
+        # loss), S = the shadow.
+        bound = shadow_bound(LOSS_CHAIN if name == "loss" else CHAIN, shadow)
+        why = judge(got, want, bound, f"dense/{name}")
+        if why:
             failures.append(name)
-            errors[name] = f"got {None if got is None else tuple(got.shape)}, want {tuple(want.shape)}"
-            continue
-        err = (got.detach().float() - want.detach().float()).abs().max().item()
-        errors[name] = err
-        if not err <= ATOL:
-            failures.append(name)
+            errors[name] = why
     if case.skip_bias_add and case.bias and bias_ret is not base.bias:
         failures.append("returned_bias")
     if (not case.skip_bias_add or not case.bias) and bias_ret is not None:

@@ -1,7 +1,9 @@
 """Forward, loss and every gradient of a LoRA-wrapped megatron linear equal a single-process
 reference built from the same global weights, at TP 1/2/4 with and without SP, for column and
-row bases x gather_output / input_is_parallel x bias x skip_bias_add x dropout (fp32, atol 1e-5,
-non-zero B). One body per TP size runs every case (worlds are expensive to start)."""
+row bases x gather_output / input_is_parallel x bias x skip_bias_add x dropout (fp32, non-zero
+B). Each element is held to 2 gamma_n S: S the sum of |terms| it adds up (the reference graph on
+the absolute values of its leaves), n the roundings along its chain (tests/lora/_support.py CHAIN,
+tests/lora/_bounds.py). One body per TP size runs every case (worlds are expensive to start)."""
 
 import pytest
 

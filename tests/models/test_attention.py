@@ -26,7 +26,22 @@ from tests.harness import multirank
 
 SEQ = 32
 BATCH = 4
+# Not derived from the arithmetic yet (issue 37): the whole model's graph is not linear
+# (softmax, norms, SiLU, routing weights), and compare.gradient_bound over its chain
+# (~2 x 4 layers x (6 h + head_dim + SEQ + ffn) + V + B S = 4800 roundings, 100 x max|q|)
+# gives 3.5e-3 on the stage output and 2.9e-2 on the loss: 350-2900x this tolerance, and a
+# softmax scale of 1/sqrt(head_dim + 1) instead of 1/sqrt(head_dim) passes it (ratio 0.05),
+# where this tolerance fails it on the stage output (1.8e-4 > 1e-5). The observed worst
+# difference is under 2e-7 at every layout.
 ATOL = 1e-5
+
+
+def _check(got, want, what):
+    """|got - want| <= ATOL everywhere; else the worst element, its index and the bound."""
+    from tests.lora._bounds import judge
+
+    why = judge(got, want, ATOL, what)
+    assert why is None, why
 
 LAYOUTS = [
     pytest.param(ParallelLayout(), 1, id="TP1"),
@@ -97,19 +112,20 @@ def test_sdpa_matches_dot_product_attention(layout, world_size, packed, tiny_ref
         results[name] = (loss, grads, emb, out)
 
     ref, new = results["unfused"], results["flash"]
-    torch.testing.assert_close(new[0], ref[0], rtol=0, atol=ATOL)
+    _check(new[0], ref[0], "loss")
     assert new[1].keys() == ref[1].keys() and len(ref[1]) > 5
     for name in ref[1]:
-        torch.testing.assert_close(new[1][name], ref[1][name], rtol=0, atol=ATOL, msg=name)
+        _check(new[1][name], ref[1][name], f"gradient of {name}")
     if parity.assert_held_by(ref[2], world_size // layout.pp, "the embedding gradient"):
-        torch.testing.assert_close(new[2], ref[2], rtol=0, atol=ATOL)
-    torch.testing.assert_close(new[3], ref[3], rtol=0, atol=ATOL)
-
+        _check(new[2], ref[2], "embedding gradient")
+    _check(new[3], ref[3], "stage output")
 
 @multirank(world_size=1, timeout=240)
 def test_packed_samples_do_not_see_each_other(tiny_reference, layout=ParallelLayout()):
     """Changing sample A's tokens leaves sample B's logits unchanged under the packed mask;
     without the mask (causal only) the same change reaches sample B: the check can see a leak."""
+    from tests.lora._bounds import judge
+
     shape = tiny_moe_shape()
     model = _models(tiny_reference, shape, layout)["flash"]
     tokens, _, _, mask = _batch(shape, packed=True)
@@ -122,7 +138,11 @@ def test_packed_samples_do_not_see_each_other(tiny_reference, layout=ParallelLay
         return _stage_output(model, shape, t, m)
 
     base, pert = logits(tokens, mask), logits(changed, mask)
-    torch.testing.assert_close(pert[:, boundary:], base[:, boundary:], rtol=0, atol=1e-6)
+    # Sample B's logits: the same products and sums, sample A's keys masked to exact zeros;
+    # only the experts' batch composition differs (A's tokens route elsewhere). Not derived
+    # (see ATOL); the observed difference is 0 here.
+    why = judge(pert[:, boundary:], base[:, boundary:], 1e-6, "sample B's logits")
+    assert why is None, why
     assert (pert[:, :boundary] - base[:, :boundary]).abs().max() > 1e-3
     leak = (logits(changed, None)[:, boundary:] - logits(tokens, None)[:, boundary:]).abs().max()
     assert leak > 1e-3, leak

@@ -37,8 +37,16 @@ from megatron_lora.models.mla import (
 from megatron_lora.runtime import ParallelLayout
 from tests.harness import multirank
 
-ATOL = 1e-5
 B, S = 2, 24
+# Not derived from the arithmetic yet (issue 37): the module is not linear (RMS norms, softmax),
+# and compare.gradient_bound over its chain (2 x (q path 112, kv path 96, rope, 12-channel
+# scores, 2 S softmax and value sums, 40-channel output projection) + B S = 524 roundings,
+# 100 x max|q|) gives 1e-3 to 2.7e-3 on outputs and input gradients and up to 2e-2 on weight
+# gradients: 100-2000x this tolerance, loose enough to let a wrong rope or softmax scale of a
+# few percent pass. Observed (megatron-core 0.16.1, this machine): outputs and input gradients
+# within 4.2e-7, weight gradients (up to ~10 in size) within 4.8e-6, 0.48 of ATOL, a few ulps:
+# those may fail on another machine until a tighter derivation replaces this tolerance.
+ATOL = 1e-5
 YARN = {"rope_type": "yarn", "rope_theta": 50.0, "factor": 8.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
         "mscale": 1.0, "mscale_all_dim": 0.8}
@@ -149,6 +157,14 @@ def _max_diff(a, b):
     return (a - b).abs().max().item()
 
 
+def _check(got, want, what):
+    """|got - want| <= ATOL everywhere; else the worst element, its index and the bound."""
+    from tests.lora._bounds import judge
+
+    why = judge(got, want, ATOL, what)
+    assert why is None, why
+
+
 def _check_one_rank(name):
     config, attention, rotary = _hf_attention(name)
     x, grad = _inputs()
@@ -161,12 +177,11 @@ def _check_one_rank(name):
     out, bias = module(x_mc, None)
     assert bias is None
     out.backward(grad.transpose(0, 1))
-    torch.testing.assert_close(out.transpose(0, 1), ref, rtol=0, atol=ATOL)
-    torch.testing.assert_close(x_mc.grad.transpose(0, 1), x_hf.grad, rtol=0, atol=ATOL)
+    _check(out.transpose(0, 1), ref, f"{name} output")
+    _check(x_mc.grad.transpose(0, 1), x_hf.grad, f"{name} input gradient")
     grads = _to_hf({k: p.grad for k, p in module.named_parameters()}, config)
     for key, p in attention.named_parameters():
-        torch.testing.assert_close(grads[key], p.grad, rtol=0, atol=ATOL,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+        _check(grads[key], p.grad, f"{name} gradient of {key}")
     return config, attention, rotary, module, x, ref
 
 
@@ -210,8 +225,7 @@ def _controls(config, attention, module, x, ref):
         _load(module, permuted)
         assert _max_diff(module(x_mc, None)[0].transpose(0, 1), ref) > 100 * ATOL
         _load(module, _to_mcore(_hf_state(attention), config))
-        torch.testing.assert_close(module(x_mc, None)[0].transpose(0, 1), ref, rtol=0,
-                                   atol=ATOL)
+        _check(module(x_mc, None)[0].transpose(0, 1), ref, "output after the controls")
 
 
 def _check_packed(name, attention, rotary, module):
@@ -227,7 +241,7 @@ def _check_packed(name, attention, rotary, module):
     with torch.no_grad():
         ref = _hf_forward(name, attention, rotary, x, torch.arange(S).unsqueeze(0) - starts)
         out = module(x.transpose(0, 1), mask)[0].transpose(0, 1)
-        torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+        _check(out, ref, f"{name} packed output")
         unpacked = module(x.transpose(0, 1), None)[0].transpose(0, 1)
         assert _max_diff(unpacked, ref) > 100 * ATOL
     with pytest.raises(ValueError, match="not packed_seq_params"):
@@ -275,11 +289,10 @@ def test_mla_matches_transformers_under_tp2_and_sp(layout=ParallelLayout(tp=2)):
             x_mc = x.transpose(0, 1)[keep].clone().requires_grad_(True)
             out, _ = module(x_mc, None)
             out.backward(grad.transpose(0, 1)[keep])
-            torch.testing.assert_close(out, ref.transpose(0, 1)[keep], rtol=0, atol=ATOL)
+            _check(out, ref.transpose(0, 1)[keep], f"{name} sp={sp} output")
             # Without SP each rank's input gradient is already summed over TP (the column
             # linears' backward all-reduces it); with SP it is this rank's sequence chunk.
-            torch.testing.assert_close(x_mc.grad, x_hf.grad.transpose(0, 1)[keep], rtol=0,
-                                       atol=ATOL)
+            _check(x_mc.grad, x_hf.grad.transpose(0, 1)[keep], f"{name} sp={sp} input gradient")
             _check_weight_grads(module, attention, config, rank)
             # Control: with megatron's own gather of linear_kv_down_proj's chunks the rope key's
             # gradient from the other rank's heads is lost (0.19 on rank 0's tokens, with SP too).
@@ -307,8 +320,7 @@ def _check_weight_grads(module, attention, config, rank):
             if getattr(p, "sequence_parallel", False):
                 torch.distributed.all_reduce(
                     grad, group=parallel_state.get_tensor_model_parallel_group())
-        torch.testing.assert_close(grad, expected, rtol=0, atol=ATOL,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        _check(grad, expected, f"gradient of {name}")
 
 
 def test_round_trip_and_refusals():

@@ -50,55 +50,11 @@ from megatron_lora.lora import dora as D
 from megatron_lora.lora import merge as M
 from megatron_lora.lora.config import AdapterConfig
 from megatron_lora.lora.dropout import expert_keys
+from megatron_lora.lora.expert_view import ExpertView
 from megatron_lora.lora.factors import init_global_factors, shard_like_base, up_projection
 from megatron_lora.lora.grouped import Splits, as_splits, grouped_linear
 from megatron_lora.lora.parallel import COLUMN, base_weight_meta, describe_base_layer
 from megatron_lora.lora.projection import lora_down
-
-
-class ExpertView:
-    """Local expert e's adapter pair, read-only: views of the stacked tensors (not Parameters)."""
-
-    def __init__(self, owner: "ExpertLora", local: int):
-        self.owner, self.local = owner, local
-        self.global_expert = owner.first_expert + local
-        self.global_name = owner.names[local]
-        self.base_layer = owner.bases[local]
-        self.geometry = owner.geometry
-        self.config = owner.configs[local]
-        self.scaling = owner.scales[local]
-
-    @property
-    def rank(self) -> int:
-        return self.owner.ranks[self.local]
-
-    @property
-    def lora_A(self) -> torch.Tensor:
-        """[r_e, in_local] (the stacked tensor's rows without the zero padding)."""
-        return self.owner.lora_A[self.local, :self.rank]
-
-    @property
-    def lora_B(self) -> torch.Tensor:
-        """[out_local, r_e]."""
-        return self.owner.lora_B[self.local, :, :self.rank]
-
-    @property
-    def magnitude(self) -> Optional[torch.Tensor]:
-        m = self.owner.magnitude
-        return None if m is None else m[self.local]
-
-    def grad(self, name: str) -> Optional[torch.Tensor]:
-        """This expert's slice of the stacked parameter's gradient (`main_grad` under megatron
-        DDP, else `.grad`), or None before any backward."""
-        p = getattr(self.owner, name)
-        g = getattr(p, "main_grad", None)
-        g = p.grad if g is None else g
-        if g is None:
-            return None
-        g = g[self.local]
-        if name == "lora_A":
-            return g[:self.rank]
-        return g[:, :self.rank] if name == "lora_B" else g
 
 
 class ExpertLora(torch.nn.Module):
@@ -413,4 +369,4 @@ def _counts_on(splits: Splits) -> torch.Tensor:
     return torch.diff(offs, prepend=offs.new_zeros(1))
 
 
-__all__ = ["ExpertLora", "ExpertView"]
+__all__ = ["ExpertLora", "ExpertView"]  # ExpertView re-exported

@@ -12,9 +12,12 @@ tensors' storage and device.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: expert_lora imports this module
+    from megatron_lora.lora.expert_lora import ExpertLora
 
 
 class ExpertView:

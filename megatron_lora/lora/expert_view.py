@@ -12,18 +12,15 @@ tensors' storage and device.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
-
-if TYPE_CHECKING:  # annotations only: expert_lora imports this module
-    from megatron_lora.lora.expert_lora import ExpertLora
 
 
 class ExpertView:
     """Local expert e's adapter pair, read-only: views of the stacked tensors (not Parameters)."""
 
-    def __init__(self, owner: "ExpertLora", local: int):
+    def __init__(self, owner: torch.nn.Module, local: int):  # owner: the ExpertLora
         self.owner, self.local = owner, local
         self.global_expert = owner.first_expert + local
         self.global_name = owner.names[local]

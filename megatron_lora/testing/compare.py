@@ -15,6 +15,16 @@ its difference and the bound. The bounds:
   rounding error can take that step in either direction, so two runs that only sum in other
   orders can differ there by up to 2 * lr * (that ratio) per step (whatever their gradients:
   the bound holds for every element).
+- `reference_bound(reference32, reference64)`: where the reference can also be evaluated in fp64
+  (a transformers or plain-torch module, `.double()`): e = max |reference32 - reference64| is the
+  reference's own fp32 rounding on these inputs. The rounding of a chain of n operations is of
+  size lam sqrt(n) u S (Higham and Mary, see gradient_bound), with the same S for every order
+  of the same real computation: so another fp32 evaluation (ours) is within K e of exact for a
+  chain up to K**2 = 100 times longer, or a worst element K = 10 times further out, and
+  |ours - reference32| <= |ours - exact| + |reference32 - exact| <= (K + 1) e. The fp64
+  evaluation stands for the exact value (its own rounding is 2**-29 of fp32's; where the
+  reference keeps fp32 steps in fp64, e.g. transformers' RMSNorm, those are the same in both
+  and e leaves them out: K covers them). e is at least one rounding of the largest element.
 - `assert_adam_trained_close(...)`: adapters trained by Adam at two layouts (other summation orders)
   from the same start: every element within the Adam bound above, and all but a few single
   elements per tensor (those whose gradient nearly cancelled) within a tight bound.
@@ -75,6 +85,22 @@ def gradient_bound(reference: torch.Tensor, terms: int, cancellation: float = 10
     largest element."""
     scale = cancellation * float(reference.detach().abs().max())
     return 2 * lam * math.sqrt(terms) * unit_roundoff(torch.float32) * scale
+
+
+K_ORDERS = 10.0  # see reference_bound
+
+
+def reference_bound(reference32: torch.Tensor, reference64: torch.Tensor,
+                    k: float = K_ORDERS) -> float:
+    """(k + 1) x the reference's own fp32 rounding, measured against its fp64 evaluation on the
+    same inputs (see the module docstring): the bound for |ours - reference32|, both fp32."""
+    r32, r64 = reference32.detach().double().cpu(), reference64.detach().double().cpu()
+    if r32.shape != r64.shape:
+        raise AssertionError(f"shapes differ: {tuple(r32.shape)} vs {tuple(r64.shape)}")
+    if not r64.numel():
+        return 0.0
+    own = float((r32 - r64).abs().max())
+    return (k + 1) * max(own, unit_roundoff(torch.float32) * float(r64.abs().max()))
 
 
 def worst_element(actual: torch.Tensor, expected: torch.Tensor, bound) -> dict:

@@ -58,3 +58,24 @@ def test_trained_tensors_allow_single_elements_up_to_adams_bound_only():
     row["a"][5] = 1e-2  # a whole row half a step off: a wrong gradient, not rounding
     with pytest.raises(AssertionError, match=r"more than 1 elements over the tight bound"):
         compare.assert_adam_trained_close(row, want, lrs, tight=1e-4)
+
+
+def test_reference_bound_is_k_plus_one_times_the_references_own_rounding():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 300, generator=g), torch.randn(300, 8, generator=g)
+    ref64 = w.double() @ x.double()
+    ref32 = w @ x
+    bound = compare.reference_bound(ref32, ref64)
+    own = float((ref32.double() - ref64).abs().max())
+    assert own > 0 and bound == pytest.approx((compare.K_ORDERS + 1) * own)
+    # another fp32 order of the same products (column by column, reversed sums) stays within it
+    other = torch.stack([(w.flip(1) * x[:, j].flip(0)).sum(1) for j in range(8)], dim=1)
+    compare.assert_within(other, ref32, bound, "another order")
+    # a wrong product (one weight off by 1% of its size) does not
+    bad = w.clone()
+    bad[3, 7] *= 1.01
+    with pytest.raises(AssertionError, match=r"worst element \[3, "):
+        compare.assert_within(bad @ x, ref32, bound, "wrong weight")
+    # an exact reference still allows one rounding of the largest element per side
+    exact = torch.tensor([1.0, 2.0])
+    assert compare.reference_bound(exact, exact.double()) == (compare.K_ORDERS + 1) * 2 * 2 ** -24

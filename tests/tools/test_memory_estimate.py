@@ -45,7 +45,11 @@ def _config(name):
                                              ("deepseek_v3/config.json", 671.0)])
 def test_weights_at_one_gpu_are_the_published_parameter_count(config, billions):
     e = _estimate()(_config(config), ParallelLayout(), 1, 4096, 1, 16)
-    rel = 1e-3 if config.startswith(("gpt_oss", "deepseek")) else 0.01  # exact counts published
+    # the published figures' own rounding: GPT-OSS's (20.91B, 116.83B) and DeepSeek-V3's (671.0B)
+    # to 4 significant digits, within 5e-4 relative (counted here: 2.3e-4, 7e-6, 3.9e-5); the
+    # others are given to 3 digits (46.7B, 30.5B: within 0.05 / 30.5 = 1.6e-3) or as a whole
+    # 106B (GLM-4.5-Air, 106.85B counted: 0.8%), so within 1%
+    rel = 1e-3 if config.startswith(("gpt_oss", "deepseek")) else 0.01
     assert e["weights"] / 2 / 1e9 == pytest.approx(billions, rel=rel)  # bf16: 2 bytes each
     sharded = _estimate()(_config(config), ParallelLayout(tp=2, ep=4, sp=True), 8, 4096, 1, 16)
     assert sharded["weights"] < e["weights"] / 4 and sharded["activations"] < e["activations"]

@@ -5,8 +5,9 @@ global weights, once per core attention, at TP1, TP2+SP and PP2, on causal (unpa
 and on packed batches (two samples per row with a boundary, one row with padding): loss, every
 parameter's gradient, the input-embedding gradient and this stage's output (logits on the last
 stage) must agree in fp32, each within compare.reference_bound of it: the reference (megatron's
-DotProductAttention model) run again in fp64 at the same layout. A separate check shows that packed samples keep their
-per-sample semantics under SDPAttention, with a control showing the check would see a leak.
+DotProductAttention model) run again in fp64 at the same layout. A separate check shows that
+packed samples keep their per-sample semantics under SDPAttention, with a control showing the
+check would see a leak.
 """
 
 import pytest

@@ -121,8 +121,8 @@ def _reference(hf, x, grad_out):
 def _check_routing_margin(hf, x):
     """Every token's TOPK-th router logit is further above the next than twice the logits'
     reference_bound (each order's logits are within it of the exact ones), and no expert's fc1
-    output lies within twice its bound of +-LIMIT: megatron and transformers pick the same experts and
-    clamp the same elements in every summation order."""
+    output lies within twice its bound of +-LIMIT: megatron and transformers pick the same
+    experts and clamp the same elements in every summation order."""
     import copy
 
     from megatron_lora.testing.compare import reference_bound
@@ -217,9 +217,11 @@ def test_gpt_oss_moe_block_matches_transformers_at_ep2(layout=ParallelLayout(ep=
         ours, seq, seq64 = (outputs[True, torch.float32], outputs[False, torch.float32],
                             outputs[False, torch.float64])
         assert (ours[0] - ref).abs().max() > 1e-3  # the adapters change the output
-        names = ["output", "input gradient"] + [f"lora_B gradient {i}" for i in range(len(ours) - 2)]
+        names = ["output", "input gradient"] + [f"lora_B gradient {i}"
+                                                for i in range(len(ours) - 2)]
         for what, a, b, b64 in zip(names, ours, seq, seq64):
-            _check(a, b, reference_bound(b, b64), f"{dispatcher} LoRA grouped vs sequential {what}")
+            _check(a, b, reference_bound(b, b64),
+                   f"{dispatcher} LoRA grouped vs sequential {what}")
 
 
 def test_expert_tp_with_biased_experts_is_refused():

@@ -9,10 +9,11 @@ The HF weights go through `hf_to_mcore_attention` into the megatron module (slic
 parameter's TP partition dim); output and input gradient agree at 1 rank and at TP2 with and
 without SP; at 1 rank the weight gradients mapped back by `mcore_to_hf_attention` agree too, and at
 TP2 each rank's weight gradients are its chunk of them. Each quantity is held to
-compare.reference_bound of it: transformers' module evaluated again in fp64 on the same inputs. Controls show each check fails
-without the YaRN softmax mscale, with the rope rows mapped for the other rope layout, with
-megatron's own gather of the kv down projection at TP2 (models/mla.py: the rope key's gradient from
-the other rank's heads is lost), and with packed samples run as one causal sequence.
+compare.reference_bound of it: transformers' module evaluated again in fp64 on the same inputs.
+Controls show each check fails without the YaRN softmax mscale, with the rope rows mapped for the
+other rope layout, with megatron's own gather of the kv down projection at TP2 (models/mla.py:
+the rope key's gradient from the other rank's heads is lost), and with packed samples run as one
+causal sequence.
 """
 
 import copy

@@ -6,10 +6,11 @@ no RoPE fields, the `rope_parameters` form, truncation on, other betas, a top-le
 `original_max_position_embeddings`, DeepSeek-style mscale pairs, a lone mscale) the cos and sin
 megatron rotates q and k with (its embedding of the positions, times the factor SelfAttention
 reads from the TransformerConfig) equal transformers' (cos, sin times `attention_scaling`) in
-fp32 over 300 positions, within the rounding of two fp32 evaluations of the rule (_bound). Controls: plain RoPE, and plain RoPE times the attention factor
-(only the frequency blend missing), are off by more than 1e-2 at the positions of the GPT-OSS
-logits test (tests/families/test_gpt_oss.py); megatron's own mscale rule applied to a lone
-mscale is off too. Bad fields are refused naming them.
+fp32 over 300 positions, within the rounding of two fp32 evaluations of the rule (_bound).
+Controls: plain RoPE, and plain RoPE times the attention factor (only the frequency blend
+missing), are off by more than 1e-2 at the positions of the GPT-OSS logits test
+(tests/families/test_gpt_oss.py); megatron's own mscale rule applied to a lone mscale is off too.
+Bad fields are refused naming them.
 """
 
 import math

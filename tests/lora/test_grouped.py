@@ -1,6 +1,6 @@
 """Stacked expert LoRA (ExpertLora.grouped: one grouped matmul per factor over the
 tokens-per-expert split) equals per-expert adapters (LoraAdapter on each expert's megatron
-linear) for the same global adapters: outputs, input gradients and factor gradients, fp32, 1e-6,
+linear) for the same global adapters: outputs, input gradients and factor gradients, fp32,
 for E in {1, 4, 8} local experts including experts that receive zero tokens, at expert-TP 2 (fc1
 B strided, fc2 partial sums); and against plain torch with dropout and rsLoRA."""
 
@@ -12,6 +12,33 @@ from tests.harness import multirank
 
 H, FFN, RANK = 16, 24, 4
 COUNTS = {1: [7], 4: [3, 0, 5, 2], 8: [0, 4, 0, 0, 6, 1, 0, 3]}
+
+
+def _chain(fin: int, fout: int, rows: int) -> int:
+    """Roundings along the longest chain of any compared quantity of an adapter fin -> fout over
+    `rows` tokens: the down sum (fin), the up sum (RANK), the gradients' sums over fout and the
+    rows, the scale, dropout's 1 / (1 - p) and mask products, an all-reduce over 2 ranks."""
+    return fin + fout + RANK + rows + 6
+
+
+def _judge(checks, shadows, n, name, problems):
+    """Each (got, want) of `checks` within shadow_bound(n, shadows[what]); failures (the worst
+    element, its index and the bound) go to `problems`."""
+    from tests.lora._bounds import judge, shadow_bound
+
+    for what, (got, want) in checks.items():
+        why = judge(got.detach(), want.detach(), shadow_bound(n, shadows[what]), f"{name} {what}")
+        if why:
+            problems.append(why)
+
+
+def _loop(x, w, counts, scale):
+    """The plain-torch reference: scale x_e w_e^T per group of rows."""
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        parts.append(scale * x[start:start + n] @ w[e].t())
+        start += n
+    return torch.cat(parts)
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["loop", "grouped_mm"])
@@ -33,16 +60,19 @@ def test_grouped_matmul_matches_a_loop_with_empty_groups(kernel, monkeypatch):
         x = torch.randn(8, k, generator=g, requires_grad=True)
         w = torch.randn(4, m, k, generator=g, requires_grad=True)
         y = grouped_linear(x, w, counts, scale=0.5)
-        parts, start = [], 0
-        for e, n in enumerate(counts):
-            parts.append(0.5 * x[start:start + n] @ w[e].t())
-            start += n
-        ref = torch.cat(parts)
+        ref = _loop(x, w, counts, 0.5)
         gy = torch.randn_like(y)
         gx, gw = torch.autograd.grad(y, (x, w), gy)
         rx, rw = torch.autograd.grad(ref, (x, w), gy)
-        assert (y - ref).abs().max() < 1e-6
-        assert (gx - rx).abs().max() < 1e-6 and (gw - rw).abs().max() < 1e-6
+        # S: the loop on |x|, |w| and |gy| (a linear graph with a positive scale)
+        ax, aw = x.detach().abs().requires_grad_(), w.detach().abs().requires_grad_()
+        shadow = _loop(ax, aw, counts, 0.5)
+        sx, sw = torch.autograd.grad(shadow, (ax, aw), gy.abs())
+        problems = []
+        _judge({"output": (y, ref), "grad_input": (gx, rx), "grad_weight": (gw, rw)},
+               {"output": shadow, "grad_input": sx, "grad_weight": sw}, k + m + max(counts) + 2,
+               f"k={k}", problems)
+        assert not problems, problems
         assert gw[0].abs().max() == 0 and gw[2].abs().max() == 0  # experts with no tokens
     assert bool(calls) == kernel  # the forced kernel really ran (aligned shapes)
 
@@ -79,6 +109,25 @@ def expert_bases(kind: str, num: int, group, fin: int, fout: int):
     return [RowParallelLinear(fin, fout, config=config, init_method=init, bias=False,
                               input_is_parallel=True, skip_bias_add=True, is_expert=True,
                               tp_group=group) for _ in range(num)]
+
+
+def _abs_run(adapters, x, counts, gy):
+    """The shadow S of each quantity of test_grouped_equals_per_expert_adapters: `adapters`'
+    factors made |A|, |B|, run on |x| per expert with output gradient |gy|."""
+    xs = x.abs().requires_grad_(True)
+    with torch.no_grad():
+        for ad in adapters:
+            ad.lora_A.abs_()
+            ad.lora_B.abs_()
+    outs, start = [], 0
+    for ad, n in zip(adapters, counts):
+        outs.append(ad.lora_delta(xs[start:start + n]))
+        start += n
+    y = torch.cat(outs)
+    y.backward(gy.abs())
+    return {"output": y.detach(), "grad_input": xs.grad,
+            "lora_A": torch.stack([ad.lora_A.grad for ad in adapters]),
+            "lora_B": torch.stack([ad.lora_B.grad for ad in adapters])}
 
 
 def stacked_lora(kind, bases, cfg, seeds, first=0):
@@ -123,15 +172,20 @@ def test_grouped_equals_per_expert_adapters(layout):
             y2.backward(gy)
             name = f"E={num}/{kind}"
             checks = {
-                "output": (y1, y2), "grad_input": (x1.grad, x2.grad),
-                "lora_A": (torch.stack([ad.lora_A.grad for ad in per]), grouped.lora_A.grad),
-                "lora_B": (torch.stack([ad.lora_B.grad for ad in per]), grouped.lora_B.grad),
-                "factors": (torch.stack([ad.lora_B.detach() for ad in per]), grouped.lora_B),
+                "output": (y2, y1), "grad_input": (x2.grad, x1.grad),
+                "lora_A": (grouped.lora_A.grad, torch.stack([ad.lora_A.grad for ad in per])),
+                "lora_B": (grouped.lora_B.grad, torch.stack([ad.lora_B.grad for ad in per])),
             }
-            for what, (a, b) in checks.items():
-                err = (a.detach() - b.detach()).abs().max().item() if a.numel() else 0.0
-                if not err <= 1e-6:
-                    problems.append(f"{name} {what}: {err}")
+            # S: the per-expert adapters (same seeds) with |A|, |B| on |x| and |gy|, through
+            # the same code (its all-reduces included)
+            shadows = _abs_run([LoraAdapter(b, cfg, seed=s) for b, s in
+                                zip(expert_bases(kind, num, group, *sizes[kind]), seeds[kind])],
+                               x, counts, gy)
+            _judge(checks, shadows, _chain(*sizes[kind], max(counts)), name, problems)
+            # the same seeds give the same factors: bit-identical
+            factors = torch.stack([ad.lora_B.detach() for ad in per])
+            if not torch.equal(factors, grouped.lora_B.detach()):
+                problems.append(f"{name}: lora_B differs from the per-expert adapters'")
             if any(n == 0 for n in counts) and grouped.lora_B.grad.abs().sum() == 0:
                 problems.append(f"{name}: no gradient at all")
     assert not problems, problems
@@ -169,22 +223,27 @@ def test_grouped_dropout_and_rslora_match_the_global_mask_reference(layout):
         seeds = [97 * (first + e) + j for e in range(len(counts))]
         x = torch.randn(sum(counts), fin, generator=g)
         gy = torch.randn(sum(counts), fout, generator=g)
-        # reference over the global tensors
-        xr = x.clone().requires_grad_(True)
-        leaves, outs, start = [], [], 0
-        for e, n in enumerate(counts):
-            a, b = init_global_factors(cfg, fin, fout, seeds[e])
-            a.requires_grad_(True)
-            b.requires_grad_(True)
-            leaves.append((a, b))
-            rows = slice(start, start + n)
-            mask = keep_mask_at(sub_key(key, 2 * (first + e) + j), p, token_ids[rows], 0, fin)
-            outs.append(scale * ((xr[rows] * mask / (1 - p)) @ a.t()) @ b.t())
-            start += n
-        ref = torch.cat(outs)
-        ref.backward(gy)
-        ref_ga = torch.stack([a.grad for a, _ in leaves])
-        ref_gb = torch.stack([b.grad for _, b in leaves])
+        # reference over the global tensors; and S, the same on |x|, |A|, |B| and |gy|
+        def reference(x, gy, signed):
+            xr = x.clone().requires_grad_(True)
+            leaves, outs, start = [], [], 0
+            for e, n in enumerate(counts):
+                a, b = init_global_factors(cfg, fin, fout, seeds[e])
+                a, b = (a, b) if signed else (a.abs(), b.abs())
+                a.requires_grad_(True)
+                b.requires_grad_(True)
+                leaves.append((a, b))
+                rows = slice(start, start + n)
+                mask = keep_mask_at(sub_key(key, 2 * (first + e) + j), p, token_ids[rows], 0, fin)
+                outs.append(scale * ((xr[rows] * mask / (1 - p)) @ a.t()) @ b.t())
+                start += n
+            ref = torch.cat(outs)
+            ref.backward(gy)
+            return (ref.detach(), xr.grad, torch.stack([a.grad for a, _ in leaves]),
+                    torch.stack([b.grad for _, b in leaves]))
+
+        ref, ref_gx, ref_ga, ref_gb = reference(x, gy, True)
+        s_out, s_gx, s_ga, s_gb = reference(x.abs(), gy.abs(), False)
         for tp_group in (solo, group):
             t, k = tp_group.size(), tp_group.rank()
             module = stacked_lora(kind, expert_bases(kind, len(counts), tp_group, fin, fout), cfg,
@@ -197,18 +256,19 @@ def test_grouped_dropout_and_rslora_match_the_global_mask_reference(layout):
             if j == 0:  # fc1: the input gradient is partial over expert-TP (B sharded)
                 if t > 1:
                     dist.all_reduce(gx, group=tp_group)
-                checks = {"output": (y, _shard(ref, 1, t, k, 2)), "grad_input": (gx, xr.grad),
+                checks = {"output": (y, _shard(ref, 1, t, k, 2)), "grad_input": (gx, ref_gx),
                           "grad_A": (module.lora_A.grad, ref_ga),
                           "grad_B": (module.lora_B.grad, _shard(ref_gb, 1, t, k, 2))}
+                shadows = {"output": _shard(s_out, 1, t, k, 2), "grad_input": s_gx,
+                           "grad_A": s_ga, "grad_B": _shard(s_gb, 1, t, k, 2)}
             else:  # fc2: the output is partial over expert-TP (A sharded on features)
                 y_full = y.detach().clone()
                 if t > 1:
                     dist.all_reduce(y_full, group=tp_group)
-                checks = {"output": (y_full, ref), "grad_input": (gx, _shard(xr.grad, 1, t, k)),
+                checks = {"output": (y_full, ref), "grad_input": (gx, _shard(ref_gx, 1, t, k)),
                           "grad_A": (module.lora_A.grad, _shard(ref_ga, 2, t, k)),
                           "grad_B": (module.lora_B.grad, ref_gb)}
-            for what, (got, want) in checks.items():
-                err = (got.detach() - want.detach()).abs().max().item()
-                if not err <= 1e-5 * max(1.0, want.abs().max().item()):  # fp32, O(10) values
-                    problems.append(f"{kind} ETP{t} {what}: {err}")
+                shadows = {"output": s_out, "grad_input": _shard(s_gx, 1, t, k),
+                           "grad_A": _shard(s_ga, 2, t, k), "grad_B": s_gb}
+            _judge(checks, shadows, _chain(fin, fout, max(counts)), f"{kind} ETP{t}", problems)
     assert not problems, problems

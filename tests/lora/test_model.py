@@ -16,6 +16,7 @@ from megatron_lora.lora.model import (
 from megatron_lora.lora.targets import UnknownTargetError, normalize_targets
 from megatron_lora.models.gpt import build_gpt_model, tiny_moe_shape, transformer_config
 from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing import compare
 from tests.harness import multirank
 
 DENSE = tiny_moe_shape(num_experts=None)
@@ -138,6 +139,21 @@ def test_unknown_or_oversized_targets_fail_on_every_rank_before_any_change(layou
     dist.barrier()  # every rank got here: nobody is stuck in a collective
 
 
+def _logits_and_bound(model, tokens, pos):
+    """The model's fp32 logits and compare.reference_bound of them: the same model (adapters
+    unmerged) run again in fp64 on the same tokens, then back to fp32 (exact: fp32 values).
+    The merged model computes x (W + s B A)^T where the adapter computes x W^T + s (x A^T) B^T:
+    the same real function in another fp32 order, so its logits lie within the bound; after
+    unmerge the weights are (W + D) - D, within 2 u (|W| + |D|) of W (D the same tensor both
+    times), a perturbation of the size of a product's own rounding, which K covers."""
+    logits = model(tokens, pos, attention_mask=None)
+    model.double()
+    logits64 = model(tokens, pos, attention_mask=None)
+    model.float()
+    assert logits64.dtype == torch.float64
+    return logits, compare.reference_bound(logits, logits64)
+
+
 @multirank(world_size=2)
 def test_merge_and_unmerge_the_whole_model(layout=ParallelLayout(tp=2, sp=True)):
     model = build_gpt_model(DENSE, transformer_config(DENSE, layout))
@@ -145,13 +161,13 @@ def test_merge_and_unmerge_the_whole_model(layout=ParallelLayout(tp=2, sp=True))
     tokens = torch.randint(0, DENSE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(16).unsqueeze(0)
     with torch.no_grad():
-        with_lora = model(tokens, pos, attention_mask=None)
+        with_lora, bound = _logits_and_bound(model, tokens, pos)
         merge_adapters(model)
         merged = model(tokens, pos, attention_mask=None)
         unmerge_adapters(model)
         again = model(tokens, pos, attention_mask=None)
-    torch.testing.assert_close(merged, with_lora, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(again, with_lora, rtol=1e-5, atol=1e-5)
+    compare.assert_within(merged, with_lora, bound, "merged logits")
+    compare.assert_within(again, with_lora, bound, "unmerged logits")
 
 
 @multirank(world_size=2)
@@ -164,16 +180,23 @@ def test_merge_and_unmerge_router_embedding_and_output_adapters(layout=ParallelL
     tokens = torch.randint(0, shape.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(16).unsqueeze(0)
     with torch.no_grad():
-        with_lora = model(tokens, pos, attention_mask=None)
-        base_weight = model.embedding.word_embeddings.base_layer.weight.clone()
+        with_lora, bound = _logits_and_bound(model, tokens, pos)
+        embedding = model.embedding.word_embeddings
+        base_weight = embedding.base_layer.weight.clone()
+        delta = embedding.delta_weight()
         merge_adapters(model)
         merged = model(tokens, pos, attention_mask=None)
         unmerge_adapters(model)
         again = model(tokens, pos, attention_mask=None)
-        unchanged = model.embedding.word_embeddings.base_layer.weight
-    torch.testing.assert_close(merged, with_lora, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(again, with_lora, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(unchanged, base_weight, rtol=0, atol=1e-6)
+        unchanged = embedding.base_layer.weight
+    compare.assert_within(merged, with_lora, bound, "merged logits")
+    compare.assert_within(again, with_lora, bound, "unmerged logits")
+    # fl(fl(W + D) - D) with the same D both times: within u |W + D| + u |W + D - D + ...|
+    # <= 2 u (|W| + |D|) of W per element (u = 2**-24)
+    u = compare.unit_roundoff(torch.float32)
+    compare.assert_within(unchanged, base_weight,
+                          2 * u * (base_weight.double().abs() + delta.double().abs()),
+                          "embedding weight after merge and unmerge")
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])

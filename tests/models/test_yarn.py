@@ -5,12 +5,15 @@ For each config (the published gpt-oss one, transformers' GptOssConfig default w
 no RoPE fields, the `rope_parameters` form, truncation on, other betas, a top-level
 `original_max_position_embeddings`, DeepSeek-style mscale pairs, a lone mscale) the cos and sin
 megatron rotates q and k with (its embedding of the positions, times the factor SelfAttention
-reads from the TransformerConfig) equal transformers' (cos, sin times `attention_scaling`) to
-1e-6 in fp32 over 300 positions. Controls: plain RoPE, and plain RoPE times the attention factor
-(only the frequency blend missing), are off by more than 1e-2 at the positions of the GPT-OSS
-logits test (tests/families/test_gpt_oss.py); megatron's own mscale rule applied to a lone
-mscale is off too. Bad fields are refused naming them.
+reads from the TransformerConfig) equal transformers' (cos, sin times `attention_scaling`) in
+fp32 over 300 positions, within the rounding of two fp32 evaluations of the rule (_bound).
+Controls: plain RoPE, and plain RoPE times the attention factor (only the frequency blend
+missing), are off by more than 1e-2 at the positions of the GPT-OSS logits test
+(tests/families/test_gpt_oss.py); megatron's own mscale rule applied to a lone mscale is off too.
+Bad fields are refused naming them.
 """
+
+import math
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from megatron_lora.families import ModelConfigError, model_info
 from megatron_lora.families.shape import YarnRope
 from megatron_lora.models.gpt import transformer_config
 from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing.compare import assert_within, unit_roundoff
 
 BASE = dict(vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
@@ -61,6 +65,27 @@ def _hf_cos_sin(cfg: dict, positions: int):
     return cos[0], sin[0]
 
 
+def _bound(cfg: dict, positions: int) -> torch.Tensor:
+    """Per element [position p, frequency j]: how far two fp32 evaluations of YaRN's cos/sin
+    (times the attention factor c) can lie apart. Each side computes the frequency
+    f_j = inter_j (1 - m_j) + extra_j m_j (extra = base**-(2j/d), inter = extra / factor, m the
+    ramp mask) within delta f_j of exact: the exponent's rounding moves base**x by ln(base) u
+    relative, the power, reciprocal and division by the factor add a few u, and the mask's
+    ~3 roundings (absolute, m in [0, 1]) move f by 3 u |extra - inter| <= 3 u factor f: delta =
+    (10 + 3 factor + ln(base)) u. The angle p f_j is then within theta (delta + u) of exact
+    (theta = p f_j), cos and sin (1-Lipschitz; torch's within 2 u) add 2 u, the product by c
+    one more u: per side c (theta (delta + u) + 3 u), twice for two sides. Tight where theta is
+    small: the interpolated (low) frequencies the YaRN blend changes, and position 0 (c itself),
+    which is where a wrong blend, ramp or factor shows."""
+    hf = GptOssConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    rotary = GptOssRotaryEmbedding(hf)
+    info = model_info(cfg).shape
+    u = unit_roundoff(torch.float32)
+    delta = (10 + 3 * info.yarn.factor + math.log(info.rotary_base)) * u
+    theta = torch.arange(positions, dtype=torch.float64)[:, None] * rotary.inv_freq.double()
+    return 2 * rotary.attention_scaling * (theta * (delta + u) + 3 * u)
+
+
 def _megatron_cos_sin(cfg: dict, positions: int, monkeypatch, mscale_override=None):
     """What megatron rotates q and k with for the config as megatron_lora builds it: GPTModel's
     YarnRotaryEmbedding (made with the arguments GPTModel passes from the TransformerConfig)
@@ -91,8 +116,9 @@ def test_megatron_rotates_with_transformers_cos_and_sin(name, monkeypatch):
     cos, sin = _megatron_cos_sin(cfg, 300, monkeypatch)
     ref_cos, ref_sin = _hf_cos_sin(cfg, 300)
     assert cos.shape == ref_cos.shape
-    diff = max((cos - ref_cos).abs().max().item(), (sin - ref_sin).abs().max().item())
-    assert diff <= 1e-6, f"{name}: max abs diff {diff:.3e}"
+    bound = _bound(cfg, 300)
+    assert_within(cos, ref_cos, bound, f"{name} cos [position, frequency]")
+    assert_within(sin, ref_sin, bound, f"{name} sin [position, frequency]")
     rotary = GptOssRotaryEmbedding(GptOssConfig(**{k: v for k, v in cfg.items()
                                                    if k != "model_type"}))
     assert model_info(cfg).shape.yarn.attention_factor == rotary.attention_scaling

@@ -23,7 +23,7 @@ from tests.export import _support as S
 from tests.export import _inference as inference
 from tests.harness import multirank
 
-TOL = 1e-4  # only tests/families/_peft_made.py still uses it; the checks here use FP64 below
+TOL = 1e-4  # tests/families/_peft_made.py's (not swept here); the checks below use FP64
 FP64 = ".fp64"  # reference.safetensors: "<variant>" transformers' fp32 logits, "<variant>.fp64"
 LR, ITERS = 2e-2, 3  # train_and_export's --lr and --train-iters
 # The terms a trained adapter's gradient accumulates along its longest chain (fp32): 64 tokens

@@ -212,8 +212,10 @@ def loss_bound(paths: dict, loss: float) -> float:
     add their own rounding. At step 1 the
     adapter is B = 0 on both, the same model: the bound holds as derived. At steps 2 and 3 the
     adapters differ by Adam's moves of near-cancelling gradients (check_training_parity), whose
-    effect on the loss is first order in their gradient, i.e. of rounding size; with b ~ 1.3e-5
-    (OLMoE, measured) the bound is ~1.2e-4 on a loss of ~5.5 (the former rel 1e-5: 5.5e-5)."""
+    effect on the loss is first order in their gradient, i.e. of rounding size. OLMoE: b =
+    1.28e-5, the bound 1.2e-4 to 1.3e-4 on losses of ~5.5 (the former rel 1e-5: 5.5e-5); the
+    layouts' losses differ by one fp32 ulp (4.8e-7) or not at all; a wrong gradient moves the
+    loss of steps 2 and 3 by ~1e-3 (steps of lr 2e-2), and the adapter check catches it too."""
     b = compare.reference_bound(*reference(load_file(paths["reference"]), "hf"))
     mean = compare.sum_rounding_bound(torch.float32, TOKENS_PER_STEP,
                                       TOKENS_PER_STEP * abs(loss)) / TOKENS_PER_STEP

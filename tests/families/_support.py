@@ -209,9 +209,8 @@ def loss_bound(paths: dict, loss: float) -> float:
     inputs, so each token's loss by 4 b; each side's log of a sum of VOCAB exponentials (all
     positive: relative rounding VOCAB u, so VOCAB u absolute in the log) and the mean over
     TOKENS_PER_STEP tokens (compare.sum_rounding_bound over that many terms of size <= loss)
-    add their own rounding. At step 1 the
-    adapter is B = 0 on both, the same model: the bound holds as derived. At steps 2 and 3 the
-    adapters differ by Adam's moves of near-cancelling gradients (check_training_parity), whose
+    add their own rounding. At step 1 the adapter is B = 0 on both, the same model: the bound
+    holds as derived. At steps 2 and 3 the adapters differ by Adam's moves of near-cancelling gradients (check_training_parity), whose
     effect on the loss is first order in their gradient, i.e. of rounding size. OLMoE: b =
     1.28e-5, the bound 1.2e-4 to 1.3e-4 on losses of ~5.5 (the former rel 1e-5: 5.5e-5); the
     layouts' losses differ by one fp32 ulp (4.8e-7) or not at all; a wrong gradient moves the

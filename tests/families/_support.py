@@ -22,6 +22,7 @@ from tests.convert.tiny import make_tokens
 from tests.export import _support as S
 from tests.export import _inference as inference
 from tests.harness import multirank
+from tests.lora._bounds import judge  # logs |diff| / bound to $MEGATRON_LORA_MARGINS
 
 TOL = 1e-4  # tests/families/_peft_made.py's (not swept here); the checks below use FP64
 FP64 = ".fp64"  # reference.safetensors: "<variant>" transformers' fp32 logits, "<variant>.fp64"
@@ -226,9 +227,10 @@ def check_losses(paths: dict, losses: list, expected: list, what: str) -> None:
     """`losses` (one per step) within loss_bound of `expected`, the one-rank run's."""
     assert len(losses) == len(expected) == ITERS, (losses, expected)
     bounds = torch.tensor([loss_bound(paths, x) for x in expected], dtype=torch.float64)
-    compare.assert_within(torch.tensor(losses, dtype=torch.float64),
-                          torch.tensor(expected, dtype=torch.float64), bounds,
-                          f"{what}: losses per step (bound: loss_bound)")
+    failure = judge(torch.tensor(losses, dtype=torch.float64),
+                    torch.tensor(expected, dtype=torch.float64), bounds,
+                    f"{what}: losses per step (bound: loss_bound)")
+    assert failure is None, failure
 
 
 def check_training_parity(trained: dict, run: str = "run4") -> dict:

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_lora.testing import compare
 from tests.convert.tiny import make_tiny_mixtral, make_tokens, write_tokens
 from tests.export import _support as S
 
@@ -193,9 +192,10 @@ def test_load_of_a_torch_dist_checkpoint_with_nf4_gives_the_load_hf_logits(model
     for name, logits in (("--load-hf", from_hf), ("--load at TP2+SP", from_mcore)):
         bound = S.assert_near_reference(logits, reference,
                                         f"logits {name} (NF4) vs transformers on the round trip")
-    # each within `bound` of transformers' fp32 logits (compare.reference_bound), so within
-    # twice that of each other: the same computation in another summation order (TP2's split)
-    compare.assert_within(from_mcore, from_hf, 2 * bound, "logits --load (TP2+SP) vs --load-hf")
+    # each within `bound` of transformers' fp32 logits, so within 2 x bound of each other: a
+    # direct check of the pair at that bound would be implied by the two above (the former
+    # atol 1e-5 between them was not derived; two fp32 orders of one graph are each within
+    # K e of exact, compare.reference_bound, so 2 K e apart at most: 8.7e-5 here)
     S.assert_moved(from_mcore, S.hf_logits(models["wide"], tokens), bound, "NF4 quantisation")
 
 

@@ -1,5 +1,6 @@
 """The converted checkpoint and the direct HF load give transformers' eager logits at every
-layout (fp32, max abs diff <= 1e-4), and the same logits as each other."""
+layout (fp32, within 11x transformers' own fp32 rounding on these tokens, measured against its
+fp64 evaluation: compare.reference_bound), and the same logits as each other."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from safetensors.torch import load_file
 
 from megatron_lora.runtime import ParallelLayout
 from megatron_lora.testing import parity
+from tests.export import _support as S
 from tests.harness import multirank
 
 LAYOUTS = [
@@ -47,8 +49,9 @@ def test_logits_match_transformers(layout, world_size, tiny_mixtral):
         return
     assert from_mcore.shape == ref["logits"].shape == (4, 16, 250)
     assert from_mcore.dtype == torch.float32
-    diff = (from_mcore - ref["logits"]).abs().max().item()
-    assert diff <= 1e-4, f"{layout.describe()}: max abs diff {diff:.3e} vs transformers"
+    # the fp64 evaluation here, on the rank that holds the logits (the fixture's fp32 is kept)
+    reference = ref["logits"], S.hf_logits(tiny_mixtral["hf"], ref["tokens"], torch.float64)
+    S.assert_near_reference(from_mcore, reference, f"{layout.describe()} vs transformers")
     assert torch.equal(from_hf, from_mcore), (from_hf - from_mcore).abs().max()
 
 
@@ -63,4 +66,5 @@ def test_tied_embeddings_across_pipeline_stages(layout, tiny_tied):
     assert info.shape.tie_embeddings and "lm_head.weight" not in hf.tensors
     logits = model_logits(info, layout, ref["tokens"], lambda m: load_hf(m, info, hf))
     if parity.assert_held_by(logits, 1, "the logits"):
-        assert (logits - ref["logits"]).abs().max().item() <= 1e-4
+        reference = ref["logits"], S.hf_logits(tiny_tied["hf"], ref["tokens"], torch.float64)
+        S.assert_near_reference(logits, reference, f"tied at {layout.describe()} vs transformers")

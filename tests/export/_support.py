@@ -9,6 +9,7 @@ import sys
 import torch
 
 from megatron_lora.lora.model import LoraConfig
+from megatron_lora.testing import compare
 
 # Targets megatron_lora's apply_lora supports; a different rank and alpha on linear_proj so that
 # rank_pattern / alpha_pattern are exported.
@@ -38,19 +39,51 @@ def hf_model(hf_dir: str):
 
 
 @torch.no_grad()
-def peft_logits(hf_dir: str, adapter_dir: str, tokens: torch.Tensor, merged: bool = False):
-    """transformers + PEFT logits of the base with the adapter (or merge_and_unload'ed)."""
+def peft_logits(hf_dir: str, adapter_dir: str, tokens: torch.Tensor, merged: bool = False,
+                dtype: torch.dtype = torch.float32):
+    """transformers + PEFT logits of the base with the adapter (or merge_and_unload'ed), the
+    model evaluated in `dtype` (fp64: every weight upcast exactly from the fp32 files)."""
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(hf_model(hf_dir), adapter_dir).eval()
+    model = PeftModel.from_pretrained(hf_model(hf_dir), adapter_dir).eval().to(dtype)
     if merged:
         model = model.merge_and_unload()
-    return model(tokens).logits.float()
+    return model(tokens).logits.to(dtype)
 
 
 @torch.no_grad()
-def hf_logits(hf_dir: str, tokens: torch.Tensor):
-    return hf_model(hf_dir)(tokens).logits.float()
+def hf_logits(hf_dir: str, tokens: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """transformers' eager logits [B, S, V] of `hf_dir`, evaluated in `dtype`."""
+    return hf_model(hf_dir).to(dtype)(tokens).logits.to(dtype)
+
+
+def in_both(logits_fn, *args, **kwargs):
+    """(fp32, fp64) evaluations of a reference: `logits_fn(*args, dtype=..., **kwargs)`."""
+    return tuple(logits_fn(*args, dtype=d, **kwargs) for d in (torch.float32, torch.float64))
+
+
+def assert_near_reference(ours: torch.Tensor, reference, what: str) -> float:
+    """`ours` (fp32) within compare.reference_bound of the reference's fp32 evaluation:
+    (K + 1) x the reference's own fp32 rounding max|ref32 - ref64| on these tokens (K = 10; why:
+    compare's module docstring). `reference` is (ref32, ref64); returns the bound."""
+    from tests.lora._bounds import judge  # also logs |diff| / bound to $MEGATRON_LORA_MARGINS
+
+    ref32, ref64 = reference
+    bound = compare.reference_bound(ref32, ref64)
+    own = float((ref32.double() - ref64.double()).abs().max())
+    failure = judge(ours, ref32, bound, f"{what} (compare.reference_bound: "
+                    f"{compare.K_ORDERS + 1:g} x the reference's own fp32 rounding {own:.3e})")
+    assert failure is None, failure
+    return bound
+
+
+def assert_moved(ours: torch.Tensor, before: torch.Tensor, bound: float, what: str,
+                 times: float = 100.0) -> None:
+    """The adapter (or whatever `what` names) moves `ours` away from `before` by more than
+    `times` x `bound`: far beyond rounding, so a comparison within `bound` sees it act."""
+    moved = float((ours.double() - before.double()).abs().max())
+    assert moved > times * bound, (f"{what}: moves the logits by {moved:.3e}, not more than "
+                                   f"{times:g} x the bound {bound:.3e}")
 
 
 def torchrun(nproc: int, port=None) -> list:

@@ -8,8 +8,9 @@ RoPE on half of each head (`partial_rotary_factor` 0.5), q/k/v biases; a variant
 q/k norms, no groups, every layer MoE. The checkpoint also holds a multi-token-prediction layer
 (`model.layers.4.*`, `num_nextn_predict_layers` 1), which the model does not build and
 conversion carries unchanged. Checks: config and refusals, the tensors megatron builds are the
-mapping's, bit-identical round trip (the MTP layer included), logits within 1e-4 at 1 rank,
-PP2xEP2, TP2xEP2+SP and ETP2 (grouped), the expert bias unchanged by LoRA training at EP2, and
+mapping's, bit-identical round trip (the MTP layer included), logits within 11x their fp32
+rounding at 1 rank, PP2xEP2, TP2xEP2+SP and ETP2 (grouped), the expert bias unchanged by LoRA
+training at EP2, and
 LoRA on every linear kind - the dense layer's MLP and the shared expert's included - trained at
 PP2xEP2 as at one rank, exported to PEFT (logits; dense MLP and shared expert as
 target_parameters), imported, generated with, and merged (with the MTP layer written back).
@@ -338,8 +339,11 @@ def test_merged_export_is_the_adapted_model_with_the_mtp_layer(trained, tmp_path
     out = str(tmp_path / "merged")
     export_merged_hf(trained["mcore"], trained["run4"], out, progress=False)
     tokens = torch.tensor(json.load(open(trained["tokens"])))
-    diff = (F.hf_logits(out, tokens) - load_file(trained["logits"])["logits"]).abs().max().item()
-    assert diff <= F.TOL, f"max abs diff {diff:.3e}"
+    # bound: transformers' own fp32 rounding on the merged folder (compare.reference_bound);
+    # the merge's one rounding per weight is of the size of one more matmul's, within K
+    F.S.assert_near_reference(load_file(trained["logits"])["logits"],
+                              F.S.in_both(F.hf_logits, out, tokens),
+                              "logits --adapter vs transformers on the merged export")
     original, merged = read_hf_tensors(trained["hf"]), read_hf_tensors(out)
     assert sorted(merged) == sorted(original)
     for name in MTP:

@@ -7,13 +7,15 @@ and the layer norms moved off 1; norm_topk_prob false, and a tied variant with t
 - config.json reads into the right sizes (full-width query/key norms), and what megatron-core
   cannot reproduce is refused naming the field;
 - convert -> megatron -> HF is bit-identical; the converted checkpoint and the HF folders give
-  transformers' logits within 1e-4 at 1 rank, PP2xEP2, TP2xEP2+SP, ETP2 (grouped experts) and
-  TP4+SP (each rank a quarter of each norm, the mean of squares summed over TP);
+  transformers' logits within 11x their fp32 rounding at 1 rank, PP2xEP2, TP2xEP2+SP, ETP2
+  (grouped experts) and TP4+SP (each rank a quarter of each norm, the mean of squares summed
+  over TP);
 - `train` with LoRA on every linear kind (attention, router, experts, embedding, output layer;
   dropout 0.1, rsLoRA) at PP2xEP2 gives the one-rank run's losses and adapter, and at TP2+SP
   its losses and attention, embedding and output adapters; the PEFT export of PP2xEP2 loads in
-  transformers + PEFT with the logits of `logits --adapter` at TP2+SP (1e-4); import of the
-  export is bit-identical; greedy `generate --adapter` gives transformers + PEFT's tokens.
+  transformers + PEFT with the logits of `logits --adapter` at TP2+SP (11x its fp32 rounding);
+  import of the export is bit-identical; greedy `generate --adapter` gives transformers +
+  PEFT's tokens.
 """
 
 import json
@@ -165,7 +167,7 @@ def test_training_at_tp2_sp_is_the_one_rank_run(trained):
           "--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", out, nproc=2)
     losses = [[r["lm loss"] for r in read_metrics(os.path.join(d, "metrics.jsonl"))
                if "lm loss" in r] for d in (trained["run1"], out)]
-    assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    F.check_losses(trained, losses[1], losses[0], "TP2+SP vs one rank")
     one, two = F.adapter_tensors(trained["run1"]), F.adapter_tensors(out)
     assert sorted(one) == sorted(two)
     assert any(k.startswith("decoder.layers.self_attention.linear_qkv.") for k in one)

@@ -9,13 +9,14 @@ and a tied variant with true, every layer MoE):
 - config.json reads into the right sizes, and what megatron-core cannot reproduce is refused
   naming the field;
 - convert -> megatron -> HF is bit-identical; the converted checkpoint and the HF folders give
-  transformers' logits within 1e-4 at 1 rank, PP2xEP2, TP2xEP2+SP and ETP2 (grouped experts);
+  transformers' logits within 11x their fp32 rounding at 1 rank, PP2xEP2, TP2xEP2+SP and ETP2
+  (grouped experts);
 - `train` with LoRA on every linear kind (attention, router, experts, the dense layers' MLP,
   embedding, output layer; dropout 0.1, rsLoRA) at PP2xEP2 gives the one-rank run's losses and
   adapter; its PEFT export (the dense MLP as target_parameters: PEFT would move module targets
   named gate_proj / up_proj / down_proj onto the fused experts) loads in transformers + PEFT with
-  the logits of `logits --adapter` at TP2+SP (1e-4); import of the export is bit-identical;
-  greedy `generate --adapter` gives transformers + PEFT's tokens.
+  the logits of `logits --adapter` at TP2+SP (11x its fp32 rounding); import of the export is
+  bit-identical; greedy `generate --adapter` gives transformers + PEFT's tokens.
 """
 
 import json
@@ -206,8 +207,11 @@ def test_merged_export_is_the_adapted_model(trained, tmp_path):
     out = str(tmp_path / "merged")
     export_merged_hf(trained["mcore"], trained["run4"], out, progress=False)
     tokens = torch.tensor(json.load(open(trained["tokens"])))
-    diff = (F.hf_logits(out, tokens) - load_file(trained["logits"])["logits"]).abs().max().item()
-    assert diff <= F.TOL, f"max abs diff {diff:.3e}"
+    # bound: transformers' own fp32 rounding on the merged folder (compare.reference_bound);
+    # the merge's one rounding per weight is of the size of one more matmul's, within K
+    F.S.assert_near_reference(load_file(trained["logits"])["logits"],
+                              F.S.in_both(F.hf_logits, out, tokens),
+                              "logits --adapter vs transformers on the merged export")
 
 
 # ---- PEFT's own DoRA / prefix-tuning adapters on this family ----

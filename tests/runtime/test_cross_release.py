@@ -20,6 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_lora.testing import compare
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 600
 
@@ -141,15 +143,22 @@ def test_checkpoints_load_across_releases(environments, directions, direction, t
     got = directions[direction].result(timeout=1700)  # re-raises a failed command's assertion
     written, read = got["written"], got["read"]
     assert written.shape == read.shape
-    diff = (written - read).abs().max().item()
-    assert diff <= 1e-5, f"logits of a {w_release} checkpoint differ under {r_release} by {diff}"
-    # The adapter changed the model: the comparison above is not of two base models (the base's
-    # logits from transformers, in this process, rather than one more command per direction).
-    from tests.convert.tiny import hf_logits
+    # Both are fp32 evaluations of the same adapted model, by the same code on two megatron-core
+    # releases (their kernels may sum in other orders): each within K e of the exact logits,
+    # e the fp32 rounding transformers measures on the base model in this process
+    # (compare.reference_bound; 2 Adam steps of lr 5e-3 move the logits by far less than their
+    # size, so the adapted model's rounding is of the same size), so within 2 (K + 1) e of each
+    # other.
+    from tests.export import _support as S
 
     tokens = torch.tensor(json.load(open(os.path.join(tiny_dir, "tokens.json"))))
-    plain = hf_logits(os.path.join(tiny_dir, "hf"), tokens)
-    assert (plain - read[..., :plain.shape[-1]]).abs().max() > 1e-4
+    plain = S.in_both(S.hf_logits, os.path.join(tiny_dir, "hf"), tokens)
+    bound = 2 * compare.reference_bound(*plain)
+    compare.assert_within(read, written, bound,
+                          f"logits of a {w_release} checkpoint under {r_release}")
+    # The adapter changed the model: the comparison above is not of two base models (the base's
+    # logits from transformers, in this process, rather than one more command per direction).
+    S.assert_moved(read[..., :plain[0].shape[-1]], plain[0], bound, "the adapter")
 
     # The reading release resumes the run (optimizer state, scheduler, RNG) and trains on.
     proc = got["resumed"]

@@ -24,7 +24,6 @@ from tests.export import _inference as inference
 from tests.harness import multirank
 from tests.lora._bounds import judge  # logs |diff| / bound to $MEGATRON_LORA_MARGINS
 
-TOL = 1e-4  # tests/families/_peft_made.py's (not swept here); the checks below use FP64
 FP64 = ".fp64"  # reference.safetensors: "<variant>" transformers' fp32 logits, "<variant>.fp64"
 LR, ITERS = 2e-2, 3  # train_and_export's --lr and --train-iters
 # The terms a trained adapter's gradient accumulates along its longest chain (fp32): 64 tokens

@@ -11,7 +11,7 @@ The bounds come from the reference's own rounding: the same reference evaluated 
 model `.double()`, the same weights and batch) gives e = max |ref32 - ref64| per compared
 quantity, and ours (another fp32 evaluation order of the same real computation) is within
 (K + 1) e of the fp32 reference (compare.reference_bound). The loss, the grad norm and the
-clipped Adam update are bounded from those per-element bounds (see `_bounds`).
+clipped Adam update are bounded from those (_loss_bound, _norm_bound, _update_bound).
 """
 
 import math

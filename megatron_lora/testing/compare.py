@@ -161,3 +161,16 @@ def assert_adam_trained_close(actual: Dict[str, torch.Tensor], expected: Dict[st
         if worst["over"] > allowed:
             raise AssertionError(describe(f"{what} {name}: more than {allowed} elements over the "
                                           f"tight bound (a gradient that cancels is rare)", worst))
+
+
+def mean_loss_bound(losses32: torch.Tensor, losses64: torch.Tensor, tokens: int,
+                    k: float = K_ORDERS) -> float:
+    """The bound for |ours - losses32| where each loss is a mean over at most `tokens` per-token
+    fp32 cross-entropies (one loss per step, or per batch) and `losses64` is the reference's
+    fp64 evaluation of the same losses (from the same start, the same steps): reference_bound
+    for the forward's rounding (and, after optimizer steps, the adapters' drift that it carries),
+    plus two summation orders of the mean of `tokens` positive terms (each within
+    lam sqrt(tokens) u of the mean: gradient_bound with cancellation 1), which the fp64 run
+    may share with the fp32 one (the loss is reduced in fp32) and so leave out of e."""
+    ref = losses32.detach().double().cpu()
+    return reference_bound(ref, losses64, k) + gradient_bound(ref, tokens, cancellation=1.0)

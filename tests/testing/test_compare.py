@@ -79,3 +79,27 @@ def test_reference_bound_is_k_plus_one_times_the_references_own_rounding():
     # an exact reference still allows one rounding of the largest element per side
     exact = torch.tensor([1.0, 2.0])
     assert compare.reference_bound(exact, exact.double()) == (compare.K_ORDERS + 1) * 2 * 2 ** -24
+
+
+def test_mean_loss_bound_covers_other_orders_of_the_forward_and_the_mean():
+    g = torch.Generator().manual_seed(1)
+    logits64 = torch.randn(256, 384, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, 384, (256,), generator=g)
+    ce = torch.nn.functional.cross_entropy
+    loss64 = ce(logits64, labels).reshape(1)
+    loss32 = ce(logits64.float(), labels).reshape(1)
+    bound = compare.mean_loss_bound(loss32, loss64, 256)
+    # another fp32 order: tokens reversed, summed one by one
+    other = ce(logits64.float().flip(0), labels.flip(0), reduction="none")
+    total = torch.zeros((), dtype=torch.float32)
+    for t in other:
+        total = total + t
+    compare.assert_within((total / 256).reshape(1), loss32, bound, "loss")
+    # the bound is the reference's rounding (K + 1 times it, at least one rounding of the loss)
+    # plus lam sqrt(tokens) u of the loss per order: about 1e-5 relative here
+    u = 2 ** -24
+    assert bound == pytest.approx(11 * max(abs(float(loss32) - float(loss64)), u * float(loss64))
+                                  + 2 * 6 * 16 * u * float(loss32))
+    assert bound < 2e-5 * float(loss32)  # a loss divided by 256 + 1 tokens (4e-3 off) fails
+    with pytest.raises(AssertionError, match="worst element"):
+        compare.assert_within(loss32 * 256 / 257, loss32, bound, "loss")

@@ -1,8 +1,9 @@
 """Training with grouped experts (--moe-grouped-gemm, models/grouped_experts.py) is training with
-SequentialMLP experts: a LoRA run at PP2xEP2 with GroupedExperts gives the losses (rtol 1e-5) and
-the adapters of the same run with SequentialMLP experts at world size 1, starting from that run's
-checkpoint (base and adapter weights written by SequentialMLP, read by GroupedExperts at another
-layout); and the grouped model's checkpoint loads back into a SequentialMLP model bit for bit.
+SequentialMLP experts: a LoRA run at PP2xEP2 with GroupedExperts gives the losses (within the
+reference's own rounding) and the adapters of the same run with SequentialMLP experts at world
+size 1, starting from that run's checkpoint (base and adapter weights written by SequentialMLP,
+read by GroupedExperts at another layout); and the grouped model's checkpoint loads back into a
+SequentialMLP model bit for bit.
 The expert fc2 base weights are trainable too (tests/training/_support.py), so the grouped base
 weight gradients are exercised, not only the LoRA ones."""
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_lora.lora.model import LoraConfig, apply_lora
 from megatron_lora.runtime import ParallelLayout
+from megatron_lora.testing import compare
 from megatron_lora.testing.reference import load_weights, save_weights
 from megatron_lora.training.loop import train
 from tests.harness import multirank
@@ -61,6 +63,9 @@ def _sequential_reference(directory, layout=ParallelLayout()):
     losses = _run(model, layout)
     tensors = S.global_adapters(adapters)
     tensors["losses"] = losses
+    # The same run in fp64 from the same start: the reference's own rounding of its losses.
+    model64, _ = _model(layout, grouped=False, weights=os.path.join(directory, "start"))
+    tensors["losses64"] = _run(model64.double(), layout)
     save_file(tensors, os.path.join(directory, "reference.safetensors"))
 
 
@@ -70,7 +75,11 @@ def _grouped_pp2_ep2(directory, layout=ParallelLayout(pp=2, ep=2)):
     model, adapters = _model(layout, grouped=True, weights=os.path.join(directory, "start"))
     losses = _run(model, layout)
     assert losses[-1] < losses[0] - 0.1  # it trains
-    torch.testing.assert_close(losses, reference["losses"], rtol=1e-5, atol=0)
+    # Means over at most 4 x SEQ token cross-entropies: compare.mean_loss_bound from the
+    # reference's fp64 run (forward and Adam steps in another order, the mean's fp32 reduction).
+    compare.assert_within(losses, reference["losses"], compare.mean_loss_bound(
+        reference["losses"], reference["losses64"], S.run_config().global_batch_size * S.SEQ),
+        "grouped losses at PP2xEP2")
     final = S.global_adapters(adapters)
     assert final and all(name in reference for name in final)
     assert any(".experts." in name for name in final)  # this rank checks expert adapters

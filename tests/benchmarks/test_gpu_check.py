@@ -277,10 +277,11 @@ def test_gpu_check_runs_every_mode_as_on_a_gpu(checked_run, shape):
         ours, peer = result["modes"], result["peer"]
         for a, b in (("lora", "lora"), ("frozen", "frozen"), ("floor", "floor"),
                      ("full", "full")):
+            x, y = ours[a]["ms_per_step"], peer[b]["ms_per_step"]  # both printed to 0.01 ms
             assert result[f"{a}_over_peft_{b}"] == pytest.approx(
-                ours[a]["ms_per_step"] / peer[b]["ms_per_step"], rel=1e-3), a
-        assert result["peft_lora_over_peft_floor"] == pytest.approx(
-            peer["lora"]["ms_per_step"] / peer["floor"]["ms_per_step"], rel=1e-3)
+                x / y, abs=_ratio_bound(x, y)), a
+        x, y = peer["lora"]["ms_per_step"], peer["floor"]["ms_per_step"]
+        assert result["peft_lora_over_peft_floor"] == pytest.approx(x / y, abs=_ratio_bound(x, y))
         assert peer["floor"]["trainable_parameters"] == peer["frozen"]["trainable_parameters"]
         # PEFT's adapters are ours (r=16 on every expert's gate_up / down and on attention),
         # except that q, k and v have an A each where our linear_qkv has one: 2 r h more a layer.

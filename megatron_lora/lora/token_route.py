@@ -119,8 +119,9 @@ def dispatch_token_index(dispatcher, hidden_states, routing_map, probs, index,
 def attach_token_route(moe_layer, experts_module, adapters, needs_route) -> TokenRoute:
     """Wrap `moe_layer.token_dispatcher.dispatch_preprocess` and `experts_module.forward` on
     these instances (see the module docstring); `adapters[local]` are local expert `local`'s
-    ExpertSlots (lora/experts.py) as (slot, stream_offset) pairs; needs_route() -> bool decides per forward
-    (the same on every rank: it depends on the configs of all global experts and train mode)."""
+    ExpertSlots (lora/experts.py) as (slot, stream_offset) pairs; needs_route() -> bool decides
+    per forward (the same on every rank: it depends on the configs of all global experts and
+    train mode)."""
     from megatron_lora.lora.placement import expert_placement
 
     ep_rank, _, num_local = expert_placement(experts_module)

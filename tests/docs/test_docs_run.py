@@ -116,22 +116,15 @@ def _near_transformers(folder, hf: str, names) -> float:
     returns the bound."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
-    from megatron_lora.testing import compare
+    from tests.export import _support as S
+    from tests.families import _support as F
 
     tokens = torch.tensor(json.load(open(os.path.join(folder, "tokens.json"))))
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.join(folder, hf), attn_implementation="eager", experts_implementation="eager",
-        dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref32 = model(tokens).logits.float()
-        ref64 = model.double()(tokens).logits.double()
-    bound = compare.reference_bound(ref32, ref64)
+    reference = S.in_both(F.hf_logits, os.path.join(folder, hf), tokens)
     for name in names:
         ours = load_file(os.path.join(folder, f"{name}.safetensors"))["logits"]
-        compare.assert_within(ours, ref32, bound, f"{name} vs transformers on {hf} "
-                                                  f"(compare.reference_bound)")
+        bound = S.assert_near_reference(ours, reference, f"{name} vs transformers on {hf}")
     return bound
 
 

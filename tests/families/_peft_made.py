@@ -36,7 +36,7 @@ def check_peft_save_gives_peft_logits(paths: dict, kind: str, tmp: str, seed: in
     compare.reference_bound of PEFT's (11 x PEFT's own fp32 rounding, measured against the same
     model in fp64), and more than 100 x that bound from the base's logits; returns the max abs
     difference."""
-    from peft import PeftModel, get_peft_model
+    from peft import get_peft_model
 
     from megatron_lora.export.from_peft import import_peft
 
@@ -50,10 +50,7 @@ def check_peft_save_gives_peft_logits(paths: dict, kind: str, tmp: str, seed: in
                       out], world_size=1)  # the command's computation in the warm 1-rank world
     ours = load_file(out)["logits"]
     tokens = load_file(paths["reference"])["tokens"]
-    with torch.no_grad():
-        model = PeftModel.from_pretrained(hf_model(hf), saved).eval()
-        peft = model(tokens).logits.float()
-        peft64 = model.double()(tokens).logits.double()
+    peft, peft64 = S.in_both(hf_logits, hf, tokens, adapter=saved)
     bound = S.assert_near_reference(ours, (peft, peft64), f"{kind}: vs transformers + PEFT")
     S.assert_moved(peft, hf_logits(hf, tokens), bound, f"{kind}: PEFT's adapter")
     return (ours - peft).abs().max().item()
